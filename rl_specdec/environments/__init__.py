@@ -1,0 +1,18 @@
+"""Tasks (prompts + verifiers) for the GRPO loop."""
+
+from rl_specdec.environments.base import Sample, Task, TaskReward
+from rl_specdec.environments.sorting import SortingTask
+
+TASKS = {"sorting": SortingTask}
+
+
+def make_task(name: str, **kwargs) -> Task:
+    if name not in TASKS:
+        raise ValueError(
+            f"env.name={name!r} is not a known task; choose one of {sorted(TASKS)} "
+            "or register yours in rl_specdec.environments.TASKS"
+        )
+    return TASKS[name](**kwargs)
+
+
+__all__ = ["Sample", "Task", "TaskReward", "SortingTask", "TASKS", "make_task"]

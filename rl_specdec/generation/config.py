@@ -1,0 +1,34 @@
+"""Settings of the generation side (the ``policy.generation`` and ``cluster`` keys)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ClusterConfig:
+    """Where Ray runs. ``address=None`` starts a local Ray instance."""
+
+    address: Optional[str] = None  # e.g. "auto" or "ray://head:10001" to join an existing cluster
+    num_cpus: Optional[int] = None  # CPUs for a local Ray instance (default: all)
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+
+
+@dataclass
+class GenerationConfig:
+    """One data-parallel group of vLLM engines."""
+
+    num_engines: int = 1
+    cpus_per_engine: int = 1  # CPU bundle per engine (also the cores bound to its OpenMP threads)
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    # Sample the first batch with top-k log-probs at start-up and refuse to
+    # continue if the emitted tokens are not distributed as the policy says.
+    self_check: bool = True
+    # Environment variables set in each engine's process before vLLM is imported.
+    env_vars: dict[str, str] = field(default_factory=dict)
+    # Passed to vllm.LLM(...) as-is (speculative_config included), after validation.
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
