@@ -16,6 +16,7 @@ fix. The result is the dict handed to ``vllm.LLM``, with two RL defaults filled 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import typing
@@ -81,11 +82,12 @@ def validate_vllm_kwargs(
     """Check ``vllm_kwargs`` and return the dict to pass to ``vllm.LLM``."""
     from vllm.engine.arg_utils import EngineArgs
 
-    kw = dict(vllm_kwargs or {})
+    # null means "vLLM's default" (and speculative_config: null means no speculation)
+    kw = {k: v for k, v in (vllm_kwargs or {}).items() if v is not None}
     known = _field_names(EngineArgs)
     for k in kw:
         if k not in known:
-            close = [n for n in known if k.replace("_", "") in n.replace("_", "")][:3]
+            close = difflib.get_close_matches(k, sorted(known), n=3, cutoff=0.6)
             raise ConfigError(
                 f"{key}.{k} is not a vLLM engine argument. "
                 + (f"Did you mean {close}? " if close else "")
@@ -100,7 +102,6 @@ def validate_vllm_kwargs(
 
     spec = kw.get("speculative_config")
     if spec is None:
-        kw.pop("speculative_config", None)
         return kw
     kw["speculative_config"] = validate_speculative_config(
         dict(spec),

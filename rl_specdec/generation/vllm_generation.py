@@ -180,9 +180,12 @@ class VllmGeneration:
         """Each engine's cumulative spec-decode counters (vLLM names)."""
         return self._get([w.get_metrics.remote() for w in self.workers])
 
-    def update_weights(self, state_dict: dict[str, Any]) -> float:
-        """Refit every engine's target model; the object is put in Ray's store once."""
-        ref = ray.put(state_dict)
+    def update_weights(self, state_dict: dict[str, Any] | ray.ObjectRef) -> float:
+        """Refit every engine's target model from an HF-named state dict (or an ObjectRef to one).
+
+        The dict is put in Ray's object store once and every engine reads it from there.
+        """
+        ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(state_dict)
         return max(self._get([w.update_weights.remote(ref) for w in self.workers]))
 
     def reset_prefix_cache(self) -> None:

