@@ -1,6 +1,6 @@
 """Render a run's curves from metrics.jsonl, for people without wandb.
 
-    python -m rl_specdec.plot LOG_DIR [LOG_DIR ...] [--out FILE.png]
+    python -m rl_specdec.plot LOG_DIR [LOG_DIR ...] [--out FILE.png] [--summary]
 
 Panels: reward and accuracy, spec-decode acceptance rate and length (with the
 per-position acceptance rates), time per phase, and the log-prob mismatch
@@ -74,12 +74,48 @@ def plot(log_dirs: list[str], out: str) -> str:
     return out
 
 
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(log_dir: str) -> str:
+    """A markdown summary of a run: reward first vs last 10% of steps, time split, acceptance."""
+    rows = read_metrics(log_dir)
+    n = len(rows)
+    k = max(1, n // 10)
+    first, last = rows[:k], rows[-k:]
+    total = sum(r.get("timing/step", 0.0) for r in rows)
+    lines = [
+        f"run: {log_dir} ({n} steps, {total:.0f} s in steps, {total / max(n, 1):.2f} s/step)",
+        "",
+        "| | first 10% of steps | last 10% of steps |",
+        "| --- | --- | --- |",
+    ]
+    for key in ("train/reward_mean", "train/accuracy", "spec_decode/acceptance_rate", "spec_decode/acceptance_length", "train/logprob_mismatch"):
+        if any(key in r for r in rows):
+            lines.append(f"| {key} | {_mean([r.get(key) for r in first]):.4g} | {_mean([r.get(key) for r in last]):.4g} |")
+    vals = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+    if vals:
+        lines.append(f"| val/accuracy | {vals[0][1]:.3f} (step {vals[0][0]}) | {vals[-1][1]:.3f} (step {vals[-1][0]}) |")
+    phases = sorted({k for r in rows for k in r if k.startswith("timing/") and k != "timing/step"})
+    lines += ["", "| phase | total s | share of step time |", "| --- | --- | --- |"]
+    for ph in phases:
+        t = sum(r.get(ph, 0.0) for r in rows)
+        lines.append(f"| {ph} | {t:.1f} | {100 * t / max(total, 1e-9):.1f}% |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("log_dirs", nargs="+")
     p.add_argument("--out", default=None, help="PNG path (default: <first log dir>/curves.png)")
+    p.add_argument("--summary", action="store_true", help="also print a markdown summary of each run")
     a = p.parse_args(argv)
     try:
+        if a.summary:
+            for d in a.log_dirs:
+                print(summarize(d), end="\n\n")
         out = plot(a.log_dirs, a.out or str(Path(a.log_dirs[0]) / "curves.png"))
     except FileNotFoundError as e:
         print(e, file=sys.stderr)

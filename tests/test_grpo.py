@@ -76,8 +76,9 @@ def test_wandb_offline_run_written(uninterrupted):
     assert any(runs[0].glob("*.wandb"))
 
 
-def test_resume_continues_identically(tmp_path):
-    """Kill-and-resume gives the same steps as an uninterrupted run.
+def test_engine_death_stops_run_and_resume_continues_identically(tmp_path, monkeypatch):
+    """A run whose engine is killed stops with the reason, keeps its last checkpoint,
+    and resume=true then gives the same steps as an uninterrupted run.
 
     Speculation is off here: vLLM draws the drafter's probabilistic proposals
     from the engine's global RNG, not the per-request seeds, so with speculation
@@ -85,16 +86,31 @@ def test_resume_continues_identically(tmp_path):
     Plain sampling with per-request seeds is bit-reproducible, which makes
     this an exact test of what resume restores: weights, optimizer, data position.
     """
-    off = "policy.generation.vllm_kwargs.speculative_config=null"
-    full, part = tmp_path / "full", tmp_path / "resumed"
-    import shutil
+    import os
+    import signal
 
+    from rl_specdec.algorithms import grpo
+    from rl_specdec.generation import GenerationEngineDied
+
+    off = "policy.generation.vllm_kwargs.speculative_config=null"
+    full, part = tmp_path / "full", tmp_path / "crashed"
     _train(full, "grpo.max_steps=4", off)
-    # "kill" the run right after its step-2 checkpoint: keep that checkpoint and the
-    # whole metrics file (resume must drop the lines of steps it will redo)
-    (part / "checkpoints").mkdir(parents=True)
-    shutil.copytree(full / "checkpoints" / "step_000002", part / "checkpoints" / "step_000002")
-    shutil.copy(full / "metrics.jsonl", part / "metrics.jsonl")
+
+    real_step_prompts = grpo.step_prompts
+
+    def kill_engine_at_step_3(run, step):
+        if step == 2:  # 0-based: the third step, after the step-2 checkpoint
+            os.kill(run.generation.placements[0]["pid"], signal.SIGKILL)
+        return real_step_prompts(run, step)
+
+    monkeypatch.setattr(grpo, "step_prompts", kill_engine_at_step_3)
+    with pytest.raises(GenerationEngineDied, match="engine actor died"):
+        _train(part, "grpo.max_steps=4", off)
+    monkeypatch.setattr(grpo, "step_prompts", real_step_prompts)
+    ckpts = sorted(p.name for p in (part / "checkpoints").iterdir())
+    assert ckpts == ["step_000002"]  # intact, nothing half-written
+    assert [r["step"] for r in _rows(part)] == [1, 2]
+
     _train(part, "grpo.max_steps=4", "resume=true", off)
     a_rows, b_rows = _rows(full), _rows(part)
     assert [r["step"] for r in b_rows] == [1, 2, 3, 4]

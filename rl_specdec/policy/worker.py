@@ -92,17 +92,39 @@ class PolicyWorker:
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
 
-    def _micro_batches(self, batch: dict[str, torch.Tensor]):
-        n = batch["input_ids"].shape[0]
+    def _micro_batches(self, batch: dict[str, torch.Tensor], keep_order: bool = False):
+        """Length-sorted micro-batches, each trimmed to its own longest sequence.
+
+        Sorting cuts the padding the model computes on (the batch is padded to
+        its longest rollout, the micro-batches only to theirs). The loss is
+        normalised by the whole batch's token count, so order does not matter
+        for training; ``keep_order`` keeps input order for log-prob outputs.
+        Yields (indices, micro_batch).
+        """
+        lengths = batch["attention_mask"].sum(1)  # [N]
+        n = lengths.shape[0]
+        order = torch.arange(n) if keep_order else torch.argsort(lengths, descending=True, stable=True)
         for s in range(0, n, self.micro_batch_size):
-            yield {k: v[s : s + self.micro_batch_size].to(self.device) for k, v in batch.items()}
+            idx = order[s : s + self.micro_batch_size]
+            t = int(lengths[idx].max())
+            mb = {}
+            for k, v in batch.items():
+                v = v[idx]
+                if v.dim() == 2:  # [n, T] or [n, T-1]: trim to this micro-batch's length
+                    v = v[:, : t if v.shape[1] == batch["input_ids"].shape[1] else t - 1]
+                mb[k] = v.to(self.device)
+            yield idx, mb
 
     @torch.no_grad()
     def get_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.model.eval()
-        out = [token_logprobs_and_entropy(self.model, mb["input_ids"], mb["attention_mask"])[0].cpu() for mb in self._micro_batches(batch)]
+        n, t = batch["input_ids"].shape
+        out = torch.zeros(n, t - 1)  # [N, T-1]
+        for idx, mb in self._micro_batches(batch, keep_order=True):
+            lp = token_logprobs_and_entropy(self.model, mb["input_ids"], mb["attention_mask"])[0]
+            out[idx, : lp.shape[1]] = (lp * mb["attention_mask"][:, 1:]).cpu()  # 0 where t+1 is padding
         self.model.train()
-        return torch.cat(out)
+        return out
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over the whole batch (gradient accumulation over micro-batches).
@@ -116,7 +138,7 @@ class PolicyWorker:
         sums: dict[str, float] = {}
         ntok = float(batch["loss_mask"].sum())
         ent_sum = 0.0
-        for mb in self._micro_batches(batch):
+        for _, mb in self._micro_batches(batch):
             logp, entropy = token_logprobs_and_entropy(self.model, mb["input_ids"], mb["attention_mask"], with_entropy=True)
             ref_logp = None
             if self.ref is not None:
