@@ -13,8 +13,10 @@ Prints markdown tables and writes them (plus the raw numbers as JSON) under
 Prompts are sorting-task prompts (``SortingTask().make_batch``) in the toy
 tokenizer; responses stop at EOS or ``--max-tokens``. Each engine gets one
 warm-up call before it is timed; each cell is the median of ``--repeats``
-calls. Nothing else should run on the machine meanwhile: on a 2-core machine a
-concurrent job changes every number (the script prints the load average).
+calls, each on a different batch of prompts (the same batches for every
+method). Nothing else should run on the machine meanwhile: on a 2-core
+machine a concurrent job changes every number, and an engine whose OpenMP
+threads span both cores suffers most (the script prints the load average).
 
     python benchmarks/rollout.py                 # full table (~10 min on 2 cores)
     python benchmarks/rollout.py --quick         # 1 repeat, batch sizes 1 and 8, T=1 only
@@ -24,6 +26,7 @@ concurrent job changes every number (the script prints the load average).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -66,14 +69,18 @@ def start(models, method: str, args, num_engines: int, cpus_per_engine: int):
     return g
 
 
-def timed_calls(g, prompts, sampling, repeats: int) -> dict:
-    """Median time per call, tokens per call and spec metrics over ``repeats`` calls."""
+def timed_calls(g, batches: list[list[list[int]]], sampling) -> dict:
+    """Median time per call, tokens per call and spec metrics over one call per batch.
+
+    Repeats use different prompt batches (the same ones for every method), so a
+    batch of 1 is not one lucky or unlucky prompt.
+    """
     from rl_specdec.spec_decode import compute_spec_decode_metrics, read_spec_counters
 
     before = read_spec_counters(g)
     times, tokens = [], []
-    for r in range(repeats):
-        s = sampling if sampling.seed is None else type(sampling)(**{**sampling.__dict__, "seed": sampling.seed + 1000 * r})
+    for r, prompts in enumerate(batches):
+        s = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + 1000 * r)
         t0 = time.perf_counter()
         out = g.generate(prompts, s)
         times.append(time.perf_counter() - t0)
@@ -131,6 +138,23 @@ def engines_table(rows: list[dict]) -> str:
             f"{r['tok_per_s']:.0f} | {', '.join(f'{t:.2f}' for t in r['per_engine_time_s'])} | {fmt(r['tok_per_s'] / b if b else None, '{:.2f}x')} |"
         )
     return "\n".join(lines)
+
+
+def engines_verdict(rows: list[dict]) -> str:
+    """One line per (method, T): is one engine per core at least as fast as one engine on all cores?"""
+    out = []
+    one = {(r["method"], r["temperature"]): r for r in rows if r["engines"] == 1}
+    for r in rows:
+        b = one.get((r["method"], r["temperature"]))
+        if r["engines"] == 1 or b is None:
+            continue
+        ratio = r["tok_per_s"] / b["tok_per_s"]
+        verdict = "not slower" if ratio >= 0.95 else "SLOWER"
+        out.append(
+            f"- {r['method']}, T={r['temperature']:g}: {r['engines']} engines x {r['cores']} core = {r['tok_per_s']:.0f} tok/s, "
+            f"1 engine x {b['cores']} cores = {b['tok_per_s']:.0f} tok/s: {ratio:.2f}x ({verdict})"
+        )
+    return "\n".join(out)
 
 
 def log(msg: str) -> None:
@@ -191,16 +215,16 @@ def main(argv=None) -> int:
 
     try:
         if not args.engines_only:
-            prompts = {b: task_prompts(tok, b, seed=100 + b) for b in batch_sizes}
+            prompts = {b: [task_prompts(tok, b, seed=100 * b + r) for r in range(repeats)] for b in batch_sizes}
             for method in methods:
                 g = start(models, method, args, 1, cores)
                 try:
-                    w = warm_up(g, prompts[max(batch_sizes)], args.max_tokens)
+                    w = warm_up(g, task_prompts(tok, max(batch_sizes), seed=1), args.max_tokens)
                     log(f"  warm-up {w:.2f}s")
                     for temp in temps:
                         for b in batch_sizes:
                             s = SamplingSettings(max_tokens=args.max_tokens, temperature=temp, seed=0 if temp > 0 else None)
-                            r = timed_calls(g, prompts[b], s, repeats)
+                            r = timed_calls(g, prompts[b], s)
                             r.update(method=method, temperature=temp, batch=b)
                             results["methods"].append(r)
                             log(f"  {method} T={temp:g} batch={b}: {r['time_s']:.3f}s/call {r['tok_per_s']:.0f} tok/s acc_len={fmt(r['acceptance_length'], '{:.2f}')}")
@@ -212,7 +236,8 @@ def main(argv=None) -> int:
             md += ["### Rollout throughput, one engine on all cores", "", table, ""]
 
         if args.engines or args.engines_only:
-            prompts = task_prompts(tok, args.engines_batch, seed=7)
+            batches = [task_prompts(tok, args.engines_batch, seed=7 + r) for r in range(repeats)]
+            prompts = batches[0]
             layouts = [(1, cores), (cores, 1)] if cores > 1 else [(1, 1)]
             for method in args.engines_methods.split(","):
                 for n, c in layouts:
@@ -221,8 +246,7 @@ def main(argv=None) -> int:
                         warm_up(g, prompts, args.max_tokens)
                         for temp in temps:
                             s = SamplingSettings(max_tokens=args.max_tokens, temperature=temp, seed=0 if temp > 0 else None)
-                            per_engine = []
-                            r = timed_calls(g, prompts, s, repeats)
+                            r = timed_calls(g, batches, s)
                             # per-engine busy time of one more call, to show the load balance
                             out = g.generate(prompts, s)
                             per_engine = out.per_engine_time_s
@@ -231,7 +255,7 @@ def main(argv=None) -> int:
                             log(f"  {method} {n}x{c} T={temp:g}: {r['time_s']:.3f}s/call {r['tok_per_s']:.0f} tok/s")
                     finally:
                         g.shutdown()
-            table = engines_table(results["engines"])
+            table = engines_table(results["engines"]) + "\n\n" + engines_verdict(results["engines"])
             print(f"\n### Data parallel on {cores} cores: 1 engine x {cores} cores vs {cores} engines x 1 core, batch {args.engines_batch}\n")
             print(table)
             md += [f"### Data parallel on {cores} cores, batch {args.engines_batch}", "", table, ""]

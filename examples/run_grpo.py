@@ -33,9 +33,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from rl_specdec.algorithms.grpo import train
+    from rl_specdec.generation import GenerationEngineDied, SamplingSelfCheckFailed
 
     t0 = time.time()
-    last = train(cfg)
+    try:
+        last = train(cfg)
+    except (GenerationEngineDied, SamplingSelfCheckFailed) as e:
+        print(f"error: {e}", file=sys.stderr)  # the loop already logged the step and the last checkpoint
+        return 1
     print(
         f"done in {time.time() - t0:.0f}s: step {last.get('step', cfg.grpo.max_steps)} "
         f"reward {last['train/reward_mean']:.3f} accuracy {last['train/accuracy']:.3f}; "

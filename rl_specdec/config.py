@@ -54,6 +54,9 @@ class GRPOSettings:
     kl_coef: float = 0.0  # > 0 adds a k3 KL penalty to a frozen reference copy of the initial policy
     log_kl: bool = True  # keep the reference to log train/kl even when kl_coef = 0 (one extra forward)
     normalize_std: bool = True  # divide advantages by the group's reward std (GRPO); false: mean-centre only
+    # Train only on samples with a non-zero advantage when kl_coef = 0: the others add nothing to the
+    # gradient (their group all scored the same), only compute. The loss is averaged over the kept tokens.
+    skip_zero_advantage: bool = True
     val_every: int = 10  # validation every N steps (0: never)
     val_num_prompts: int = 64
     self_check_prompts: int = 32  # prompts for the start-up sampling self-check (0: skip)

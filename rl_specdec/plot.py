@@ -81,7 +81,8 @@ def _mean(xs):
 
 def summarize(log_dir: str) -> str:
     """A markdown summary of a run: reward first vs last 10% of steps, time split, acceptance."""
-    rows = read_metrics(log_dir)
+    all_rows = read_metrics(log_dir)
+    rows = [r for r in all_rows if r["step"] > 0]
     n = len(rows)
     k = max(1, n // 10)
     first, last = rows[:k], rows[-k:]
@@ -95,7 +96,7 @@ def summarize(log_dir: str) -> str:
     for key in ("train/reward_mean", "train/accuracy", "spec_decode/acceptance_rate", "spec_decode/acceptance_length", "train/logprob_mismatch"):
         if any(key in r for r in rows):
             lines.append(f"| {key} | {_mean([r.get(key) for r in first]):.4g} | {_mean([r.get(key) for r in last]):.4g} |")
-    vals = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+    vals = [(r["step"], r["val/accuracy"]) for r in all_rows if "val/accuracy" in r]
     if vals:
         lines.append(f"| val/accuracy | {vals[0][1]:.3f} (step {vals[0][0]}) | {vals[-1][1]:.3f} (step {vals[-1][0]}) |")
     phases = sorted({k for r in rows for k in r if k.startswith("timing/") and k != "timing/step"})

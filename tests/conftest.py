@@ -35,7 +35,7 @@ CPU_VLLM_KWARGS: dict[str, Any] = {
 # Logical CPUs of the test Ray instance. Each engine reserves a CPU bundle; a
 # 2-core machine would otherwise hold only two engines at a time. Engines take
 # turns (one generate call at a time), so the oversubscription is harmless.
-RAY_TEST_CPUS = 12
+RAY_TEST_CPUS = 16
 HOST_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -120,7 +120,7 @@ def ensure_local_ray(num_cpus: int = RAY_TEST_CPUS) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +141,22 @@ def start_engine(policy_path, spec: dict[str, Any] | None, *, num_engines: int =
     kw = validate_vllm_kwargs({**CPU_VLLM_KWARGS, **extra_kwargs, "speculative_config": spec}, str(policy_path))
     cfg = GenerationConfig(
         num_engines=num_engines,
-        cpus_per_engine=cpus_per_engine or max(1, HOST_CORES // num_engines),
+        cpus_per_engine=cpus_per_engine or max(1, min(HOST_CORES, 4) // num_engines),
         vllm_kwargs=kw,
         env_vars=dict(env_vars or {}),
         self_check=False,
     )
     return VllmGeneration(str(policy_path), cfg, cluster=cluster)
+
+
+def wait_until(cond, timeout: float = 15.0, every: float = 0.2) -> bool:
+    """Poll ``cond()`` until it is true or ``timeout`` seconds pass; returns its last value."""
+    import time
+
+    end = time.monotonic() + timeout
+    while not (ok := bool(cond())) and time.monotonic() < end:
+        time.sleep(every)
+    return ok
 
 
 def actor_states(class_name: str = "VllmWorker") -> dict[str, str]:

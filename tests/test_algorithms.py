@@ -80,9 +80,10 @@ def test_sorting_task_scores():
     t = SortingTask()
     assert t.score("1134", "1134", finished=True).correct
     assert t.score("1134", "1134", finished=True).reward == 1.0
-    partial = t.score("1199", "1134", finished=True)
-    assert not partial.correct and partial.reward == pytest.approx(0.5 * 2 / 4)
-    assert not t.score("1134", "1134", finished=False).correct  # no EOS: truncated
+    assert t.score("1199", "1134", finished=True).reward == 0.0
+    assert t.score("11349", "1134", finished=True).reward == 0.0  # rambling past the answer
+    truncated = t.score("1134", "1134", finished=False)  # no EOS: cut off at the token limit
+    assert not truncated.correct and truncated.reward == 0.0
     a, b = t.make_batch(3, 5), t.make_batch(3, 5)
     assert a == b and all(s.answer == "".join(sorted(s.prompt[:-1])) for s in a)
 
@@ -138,3 +139,26 @@ def test_plot_renders_png(tmp_path):
     png = tmp_path / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_select_for_training_drops_zero_advantage_groups():
+    from rl_specdec.algorithms.grpo import select_for_training
+
+    adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0]), group_size=2)  # groups: mixed, same, same
+    assert select_for_training(adv, skip_zero=True) == [0, 1]
+    assert select_for_training(adv, skip_zero=False) == list(range(6))
+    assert select_for_training(torch.zeros(4), skip_zero=True) == [0, 1, 2, 3]  # no signal at all: keep the batch
+    out = GenerationOutput(token_ids=[[1], [2], [3]], logprobs=[[-1.0], [-2.0], [-3.0]], finish_reasons=["stop", "length", "stop"])
+    sub = out.select([2, 0])
+    assert sub.token_ids == [[3], [1]] and sub.logprobs == [[-3.0], [-1.0]] and sub.finish_reasons == ["stop", "stop"]
+
+
+def test_sorting_pool_is_a_fixed_dataset_and_validation_is_held_out():
+    t = SortingTask(dataset_size=32)
+    pool = {s.prompt for s in t.pool()}
+    assert len(t.pool()) == 32
+    a = t.make_batch(7, 8)
+    assert a == t.make_batch(7, 8) and {s.prompt for s in a} <= pool and len({s.prompt for s in a}) == 8
+    val = t.validation_batch(10**9 + 7, 64)
+    assert len({s.prompt for s in val} & pool) < 4  # held out (random digit strings rarely collide)
+    assert SortingTask().make_batch(7, 8) != a  # dataset_size=0: fresh problems

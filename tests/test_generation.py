@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import NGRAM, actor_states, draft_spec, hf_greedy, hf_token_logprobs, start_engine
+from conftest import NGRAM, actor_states, draft_spec, hf_greedy, hf_token_logprobs, start_engine, wait_until
 from rl_specdec.generation import SamplingSettings
 from rl_specdec.generation.self_check import SamplingSelfCheckFailed, calibration_report
 from rl_specdec.generation.vllm_worker import SleepNotSupported
@@ -384,8 +384,23 @@ def test_shutdown_leaves_no_worker_behind(eng_pair):
     pg = eng_pair.pg
     assert all(actor_states()[i] == "ALIVE" for i in ids)
     eng_pair.shutdown()
-    states = actor_states()
-    assert all(states[i] == "DEAD" for i in ids), {i: states[i] for i in ids}
+    assert wait_until(lambda: all(actor_states()[i] == "DEAD" for i in ids)), {i: actor_states()[i] for i in ids}
     assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
     assert eng_pair.workers == []
     eng_pair.shutdown()  # idempotent (the module finaliser calls it again)
+
+
+def test_failed_engine_start_leaves_nothing_behind(local_ray, toy):
+    """An engine that fails inside vLLM raises, and its actor and placement group are released."""
+    import ray
+
+    actors0, pgs0 = set(actor_states()), set(ray.util.placement_group_table())
+    with pytest.raises(Exception, match="max_model_len"):
+        start_engine(toy.policy, None, cpus_per_engine=1, max_model_len=4096)  # > the toy's 128 positions
+    new_pgs = [pg for pid, pg in ray.util.placement_group_table().items() if pid not in pgs0]
+    assert len(new_pgs) == 1 and new_pgs[0]["state"] == "REMOVED", new_pgs
+
+    def new_actors():
+        return {a: s for a, s in actor_states().items() if a not in actors0}
+
+    assert wait_until(lambda: new_actors() and all(s == "DEAD" for s in new_actors().values())), new_actors()

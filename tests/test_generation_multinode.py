@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import NGRAM, actor_states, hf_greedy, start_engine
+from conftest import NGRAM, actor_states, hf_greedy, start_engine, wait_until
 from rl_specdec.generation import ClusterConfig, SamplingSettings
 
 pytestmark = pytest.mark.integration
@@ -98,5 +98,6 @@ def _short_timeout(get):
 
 def test_shutdown_leaves_no_worker_alive(spread):
     spread.shutdown()
+    wait_until(lambda: "ALIVE" not in actor_states().values())
     alive = [aid for aid, state in actor_states().items() if state == "ALIVE"]
     assert alive == [], f"VllmWorker actors still alive after shutdown: {alive}"

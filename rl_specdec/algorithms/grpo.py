@@ -147,6 +147,12 @@ def score(run: GRPORun, samples: list[Sample], out: GenerationOutput) -> tuple[t
     return torch.tensor(rewards), torch.tensor(correct)
 
 
+def select_for_training(advantages: torch.Tensor, skip_zero: bool) -> list[int]:
+    """Indices of the samples to train on: those with a non-zero advantage (all if none or if not skipping)."""
+    keep = torch.nonzero(advantages != 0).flatten().tolist() if skip_zero else []
+    return keep or list(range(advantages.numel()))
+
+
 def build_train_batch(
     prompt_ids: list[list[int]], out: GenerationOutput, advantages: torch.Tensor, pad_id: int
 ) -> dict[str, torch.Tensor]:
@@ -175,7 +181,7 @@ def build_train_batch(
 
 def validate(run: GRPORun) -> dict[str, float]:
     g = run.cfg.grpo
-    samples = run.task.make_batch(seed=VAL_SEED, n=g.val_num_prompts)
+    samples = run.task.validation_batch(seed=VAL_SEED, n=g.val_num_prompts)
     prompt_ids = [run.tokenizer.encode(s.prompt) for s in samples]
     out = run.generation.generate(prompt_ids, SamplingSettings(max_tokens=run.cfg.policy.generation.max_new_tokens, temperature=0.0))
     rewards, correct = score(run, samples, out)
@@ -187,7 +193,7 @@ def self_check(run: GRPORun) -> dict[str, float]:
     n = run.cfg.grpo.self_check_prompts
     if not run.cfg.policy.generation.self_check or n == 0:
         return {}
-    samples = run.task.make_batch(seed=VAL_SEED + 1, n=n)
+    samples = run.task.validation_batch(seed=VAL_SEED + 1, n=n)
     prompt_ids = [run.tokenizer.encode(s.prompt) for s in samples] * 4
     report = run.generation.check_sampling(prompt_ids, max_tokens=run.cfg.policy.generation.max_new_tokens, seed=run.cfg.seed)
     logger.info("sampling self-check passed: %s", report.summary())
@@ -206,8 +212,12 @@ def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
     last: dict[str, Any] = {}
     step = run.start_step
     try:
-        if run.start_step == 0:
-            last.update(self_check(run))
+        if run.start_step == 0:  # a step-0 row: the start-up guard and the untrained policy's validation
+            baseline = self_check(run)
+            if g.val_every:
+                baseline.update(validate(run))
+            if baseline:
+                run.metrics.log(baseline, step=0)
         bar = tqdm(range(run.start_step, g.max_steps), initial=run.start_step, total=g.max_steps, desc="GRPO", disable=not (cfg.logger.progress_bar if progress is None else progress))
         for step in bar:
             t_step = time.perf_counter()
@@ -242,9 +252,12 @@ def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
             # 4. advantages
             advantages = group_advantages(rewards, G, g.normalize_std)  # [P*G]
 
-            # 5. policy update
+            # 5. policy update (on the samples that carry signal)
             with timer("train"):
-                batch = build_train_batch(group_prompt_ids, out, advantages, run.tokenizer.pad_token_id)
+                keep = select_for_training(advantages, g.skip_zero_advantage and g.kl_coef == 0)  # indices into [P*G]
+                batch = build_train_batch(
+                    [group_prompt_ids[i] for i in keep], out.select(keep), advantages[keep], run.tokenizer.pad_token_id
+                )
                 train_metrics = run.policy.train_step(batch, run.loss_fn)
 
             # 6. refit the engines' target model (the drafter stays)
@@ -266,6 +279,7 @@ def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
                 "train/reward_std": rewards.std(unbiased=False).item(),
                 "train/accuracy": correct.mean().item(),
                 "train/zero_advantage_fraction": (advantages == 0).float().mean().item(),
+                "train/num_samples": float(len(keep)),
                 **{f"train/{k}": v for k, v in train_metrics.items() if k != "step_time_s"},
                 "generation/num_tokens": lengths.sum().item(),
                 "generation/tokens_per_s": lengths.sum().item() / max(gen_time, 1e-9),
@@ -276,7 +290,6 @@ def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
                 **val_metrics,
                 **times,
                 "timing/step": time.perf_counter() - t_step,
-                **(last if step == run.start_step else {}),
             }
             run.metrics.log(metrics, step=step + 1)
             bar.set_postfix(_postfix(metrics))

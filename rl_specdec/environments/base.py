@@ -1,8 +1,8 @@
 """What a task provides to the GRPO loop: prompts and a verifier.
 
 A new task implements the :class:`Task` protocol (see docs/grpo.md):
-``make_batch(seed, n)`` returns ``n`` problems deterministically from a seed,
-and ``score(response, answer, finished)`` turns one decoded response into a
+``make_batch(seed, n)`` returns ``n`` training problems deterministically from
+a seed, ``validation_batch(seed, n)`` held-out problems, and ``score(response, answer, finished)`` turns one decoded response into a
 reward. Tasks see text; the loop converts with the policy's tokenizer, so the
 generation engine only ever sees token ids.
 """
@@ -27,5 +27,7 @@ class TaskReward:
 
 class Task(Protocol):
     def make_batch(self, seed: int, n: int) -> list[Sample]: ...
+
+    def validation_batch(self, seed: int, n: int) -> list[Sample]: ...
 
     def score(self, response: str, answer: str, finished: bool) -> TaskReward: ...

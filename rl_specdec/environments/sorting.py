@@ -6,9 +6,13 @@ verifiable, and its response length follows the prompt length, so a batch
 holds short and long rollouts: the long tail that dominates generation time
 in real RL shows up here too.
 
-Reward (in [0, 1]): 1.0 for an exact answer, otherwise half the fraction of
-the answer's leading characters that are right, so partial progress gives a
-learning signal. ``accuracy`` counts exact answers only.
+Reward: 1.0 for an exact answer that ends with EOS, else 0.0. A binary reward
+gives a group whose samples all fail (the hardest prompts, early on) an
+advantage of exactly zero, so only groups with a mix of right and wrong
+answers teach, and they teach exactly what "right" means. (A partial credit
+for a right prefix was tried: it paid the policy for rambling past the answer
+and, with std-normalised advantages, turned tiny reward differences on
+hopeless prompts into full-size updates; greedy accuracy fell.)
 """
 
 from __future__ import annotations
@@ -30,23 +34,49 @@ class SortingTask:
 
     min_len: int = 4
     max_len: int = 24
+    # Size of the fixed training set (0: a fresh random problem every time). Like a
+    # real RL dataset, a finite pool is seen for several epochs; validation uses
+    # make_batch with its own seed outside the pool (see ``pool_seed``).
+    dataset_size: int = 0
+    pool_seed: int = 12345
 
-    def sample_problem(self, rng: random.Random) -> Sample:
-        n = rng.randint(self.min_len, self.max_len)
+    def sample_problem(self, rng: random.Random, length: int | None = None) -> Sample:
+        n = rng.randint(self.min_len, self.max_len) if length is None else length
         digits = "".join(rng.choice(DIGITS) for _ in range(n))
         return Sample(prompt=digits + "=", answer="".join(sorted(digits)))
 
     def make_batch(self, seed: int, n: int) -> list[Sample]:
+        """n problems for this seed, deterministically.
+
+        With ``dataset_size`` > 0 they are drawn (without replacement) from the
+        fixed training pool; otherwise they are fresh problems whose lengths are
+        spread evenly over [min_len, max_len] (in random order). Stratifying the
+        lengths gives every batch the same difficulty mix, so the per-step
+        reward tracks the policy rather than the luck of the draw.
+        """
+        if self.dataset_size:
+            pool = self.pool()
+            return random.Random(seed).sample(pool, min(n, len(pool)))
+        return self._fresh(seed, n)
+
+    def pool(self) -> list[Sample]:
+        """The fixed training set (stratified lengths, from ``pool_seed``)."""
+        if getattr(self, "_pool", None) is None:
+            self._pool = self._fresh(self.pool_seed, self.dataset_size)
+        return self._pool
+
+    def validation_batch(self, seed: int, n: int) -> list[Sample]:
+        """Fresh problems (not drawn from the pool): how well the skill generalises."""
+        return self._fresh(seed, n)
+
+    def _fresh(self, seed: int, n: int) -> list[Sample]:
         rng = random.Random(seed)
-        return [self.sample_problem(rng) for _ in range(n)]
+        span = self.max_len - self.min_len + 1
+        lengths = [self.min_len + (i * span) // n for i in range(n)]
+        rng.shuffle(lengths)
+        return [self.sample_problem(rng, k) for k in lengths]
 
     def score(self, response: str, answer: str, finished: bool) -> TaskReward:
         """Score one decoded response (EOS stripped) against the answer."""
-        if finished and response == answer:
-            return TaskReward(reward=1.0, correct=True)
-        prefix = 0
-        for got, want in zip(response, answer):
-            if got != want:
-                break
-            prefix += 1
-        return TaskReward(reward=0.5 * prefix / max(len(answer), 1), correct=False)
+        correct = finished and response == answer
+        return TaskReward(reward=float(correct), correct=correct)

@@ -7,6 +7,7 @@ fix that keeps speculative sampling lossless.
 
 from rl_specdec.generation.config import ClusterConfig, GenerationConfig
 from rl_specdec.generation.interfaces import GenerationOutput, RolloutEngine, SamplingSettings
+from rl_specdec.generation.prefix import PrefixSpliceError, replace_prefix_tokens
 from rl_specdec.generation.self_check import SamplingSelfCheckFailed, calibration_report
 from rl_specdec.generation.spec_config import ConfigError, validate_speculative_config, validate_vllm_kwargs
 
@@ -25,11 +26,13 @@ __all__ = [
     "GenerationConfig",
     "GenerationEngineDied",
     "GenerationOutput",
+    "PrefixSpliceError",
     "RolloutEngine",
     "SamplingSelfCheckFailed",
     "SamplingSettings",
     "VllmGeneration",
     "calibration_report",
+    "replace_prefix_tokens",
     "validate_speculative_config",
     "validate_vllm_kwargs",
 ]

@@ -10,16 +10,17 @@ over HTTP while the trainer still gets token ids and log-probs.
 Methods (all ``async``; Ray runs the actor on one event loop):
 
 * ``start_engine(model, vllm_kwargs, seed, cpu_bind, env_vars, server)``
-* ``generate_async(prompt_token_ids, sampling, offset)``: an async generator of
+* ``generate_async(prompt_token_ids, sampling, offset, extra)``: an async generator of
   ``(index, sample)``; call it with ``.options(num_returns="streaming")``;
 * ``generate(...)``: the same samples gathered in input order (the shape
   ``VllmWorker.generate`` returns, so :class:`AsyncVllmGeneration` reuses
   ``VllmGeneration``'s batch methods);
 * ``get_metrics()``: the spec-decode counters in vLLM's names, as ``VllmWorker``;
-* ``update_weights_async`` (refit through ``collective_rpc("reload_weights")``,
-  then a prefix-cache reset), ``reset_prefix_cache_async``, ``sleep_async``,
+* ``update_weights_async`` (refit with vLLM's ``reload_weights`` in the engine
+  core, then a prefix-cache reset), ``reset_prefix_cache_async``, ``sleep_async``,
   ``wake_up_async`` (``SleepNotSupported`` on CPU), ``report_base_url``,
-  ``shutdown``. The names without ``_async`` are aliases.
+  ``num_inflight``, ``shutdown``. The names without ``_async`` are aliases
+  (``VllmGeneration`` calls those).
 
 Where the engine runs, and the CPU fix
 --------------------------------------
@@ -41,8 +42,17 @@ whether the fix is in place and whether the rejection sampler's expand path is
 right; ``start_engine`` returns those facts and
 ``VllmGeneration.check_sampling`` refuses to go on if they are wrong.
 
-Refit goes through ``AsyncLLM.collective_rpc``, which serialises the state dict
-(msgpack, tensors as buffers) to the engine-core process.
+Refit: ``AsyncLLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``
+does not work as it does for the in-process ``LLM``: the arguments cross to the
+engine-core process through vLLM's msgpack IPC, which encodes a tensor as
+``(dtype, shape, buffer)`` but decodes untyped utility arguments as plain
+lists (``'list' object has no attribute 'dtype'`` in ``load_weights``). So the
+worker packs the state dict into ``(name, dtype, shape, bytes)`` tuples
+(:func:`pack_state_dict`) and the worker extension rebuilds the tensors and
+calls vLLM's own ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``
+in the engine-core process. The prefix cache is reset afterwards. This copies
+the weights through a socket: fine for the toy and small models on CPU; on
+GPUs the transport to add is CUDA IPC or NCCL, as for the synchronous engine.
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator, Sequence
 
 from rl_specdec.generation.config import ClusterConfig, GenerationConfig
 from rl_specdec.generation.interfaces import SamplingSettings
@@ -109,8 +119,53 @@ class EngineProbe:
             "expand_path_ok": cpu_patches.expand_path_is_correct() if on_cpu else True,
         }
 
+    def rl_specdec_reload_weights(self, packed: list[tuple[str, str, list[int], bytes]]) -> int:
+        """Rebuild the state dict sent by :func:`pack_state_dict` and hand it to vLLM's ``reload_weights``."""
+        weights = unpack_state_dict(packed)
+        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        return len(weights)
+
+
+def pack_state_dict(state_dict: dict[str, Any]) -> list[tuple[str, str, list[int], bytes]]:
+    """``(name, dtype, shape, raw bytes)`` per tensor: plain types that survive vLLM's msgpack IPC.
+
+    ``AsyncLLM.collective_rpc`` encodes a tensor argument as ``(dtype, shape,
+    buffer index)`` but decodes untyped utility arguments as plain lists, so
+    tensors cannot be passed as they are.
+    """
+    import torch
+
+    out = []
+    for name, t in state_dict.items():
+        t = t.detach().to("cpu").contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        out.append((name, dtype, list(t.shape), t.view(torch.uint8).numpy().tobytes() if t.numel() else b""))
+    return out
+
+
+def unpack_state_dict(packed) -> list[tuple[str, Any]]:
+    import torch
+
+    weights = []
+    for name, dtype, shape, data in packed:
+        dt = getattr(torch, dtype)
+        if len(data) == 0:
+            t = torch.empty(shape, dtype=dt)
+        else:
+            t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).view(shape)
+        weights.append((name, t))
+    return weights
+
 
 # ---- the actor --------------------------------------------------------------------------------
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
 
 
 def _sample_dict(c, want_top: bool) -> dict[str, Any]:
@@ -133,6 +188,7 @@ class AsyncVllmWorker:
     def __init__(self):
         self.engine = None
         self.server = None
+        self.inflight = 0  # requests submitted to the engine and not finished yet
 
     async def start_engine(
         self,
@@ -164,7 +220,7 @@ class AsyncVllmWorker:
                     "distributed_executor_backend from vllm_kwargs, or use the synchronous engine."
                 )
             kwargs["distributed_executor_backend"] = __getattr__(EXECUTOR_NAME)
-        probe = kwargs.get("worker_extension_cls") is None
+        probe = self.probe = kwargs.get("worker_extension_cls") is None
         if probe:
             kwargs["worker_extension_cls"] = f"{__name__}.EngineProbe"
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, seed=seed, **kwargs))
@@ -175,6 +231,11 @@ class AsyncVllmWorker:
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.vocab_size = int(self.engine.model_config.get_vocab_size())
         facts = (await self.engine.collective_rpc("rl_specdec_engine_facts"))[0] if probe else {}
+        if not probe and on_cpu:
+            logger.warning(
+                "vllm_kwargs.worker_extension_cls is set, so the engine core cannot report whether the CPU "
+                "sampling fix is in place (and refit is unavailable); rely on check_sampling's chi-square test"
+            )
         info = {
             "start_s": time.time() - t0,
             "cpu_expand_patched": facts.get("cpu_expand_patched"),
@@ -198,7 +259,7 @@ class AsyncVllmWorker:
         return info
 
     # ---- generation ---------------------------------------------------------------------
-    def _params(self, sampling: SamplingSettings, index: int):
+    def _params(self, sampling: SamplingSettings, index: int, extra: dict[str, Any] | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -213,14 +274,21 @@ class AsyncVllmWorker:
             logprobs=sampling.logprobs,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            **(extra or {}),
         )
 
     async def _run(self, prompt_token_ids: list[int], params) -> list[dict[str, Any]]:
         from vllm.inputs import TokensPrompt
 
         final = None
-        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, uuid.uuid4().hex):
-            final = out
+        self.inflight += 1
+        try:
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, uuid.uuid4().hex):
+                final = out
+        finally:
+            self.inflight -= 1
+        if final is None:
+            raise RuntimeError("the engine finished the request without an output (aborted?)")
         want_top = bool(params.logprobs)
         return [_sample_dict(c, want_top) for c in sorted(final.outputs, key=lambda c: c.index)]
 
@@ -232,21 +300,31 @@ class AsyncVllmWorker:
         return await self._run(prompt_token_ids, SamplingParams(**params, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY))
 
     async def generate_async(
-        self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, offset: int = 0
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingSettings | Sequence[SamplingSettings],
+        offset: int = 0,
+        extra: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
     ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """Yield ``(offset + i, sample)`` for each prompt as soon as its sample is done.
 
-        ``sample``: ``token_ids``, ``logprobs`` (of each generated token),
-        ``finish_reason`` ("stop" or "length") and ``top_logprobs`` (when
-        ``sampling.logprobs > 0``, else None). Request i is seeded with
-        ``sampling.seed + offset + i``, as in the synchronous worker. If the
-        consumer stops early, the unfinished requests are aborted.
+        ``sampling`` is one :class:`SamplingSettings` for all prompts or one per
+        prompt; ``extra`` adds ``vllm.SamplingParams`` arguments (e.g.
+        ``{"ignore_eos": True}``), likewise shared or per prompt. ``sample``:
+        ``token_ids``, ``logprobs`` (of each generated token), ``finish_reason``
+        ("stop" or "length") and ``top_logprobs`` (when ``logprobs > 0``, else
+        None). Request i is seeded with ``seed + offset + i``, as in the
+        synchronous worker. If the consumer stops early, the unfinished requests
+        are aborted.
         """
+        n = len(prompt_token_ids)
+        settings = _per_prompt(sampling, n, "sampling")
+        extras = _per_prompt(extra, n, "extra")
         queue: asyncio.Queue = asyncio.Queue()
 
         async def one(i: int, p: list[int]) -> None:
             try:
-                res: Any = (await self._run(p, self._params(sampling, offset + i)))[0]
+                res: Any = (await self._run(p, self._params(settings[i], offset + i, extras[i])))[0]
             except BaseException as e:  # noqa: BLE001  (handed to the consumer)
                 res = e
             queue.put_nowait((offset + i, res))
@@ -263,11 +341,13 @@ class AsyncVllmWorker:
                 if not t.done():
                     t.cancel()  # AsyncLLM.generate aborts a cancelled request
 
-    async def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, offset: int = 0) -> dict[str, Any]:
+    async def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, offset: int = 0, extra: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """All samples in input order, in ``VllmWorker.generate``'s layout."""
         t0 = time.time()
         results: dict[int, dict[str, Any]] = {}
-        async for i, s in self.generate_async(prompt_token_ids, sampling, offset):
+        async for i, s in self.generate_async(prompt_token_ids, sampling, offset, extra):
             results[i] = s
         ordered = [results[offset + i] for i in range(len(prompt_token_ids))]
         return {
@@ -302,10 +382,13 @@ class AsyncVllmWorker:
     async def update_weights_async(self, state_dict: dict[str, Any]) -> float:
         """Load a Hugging Face-named state dict into the target model, then reset the prefix cache."""
         t0 = time.time()
-        await self.engine.collective_rpc(
-            "reload_weights",
-            kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True},
-        )
+        if not self.probe:
+            raise RuntimeError(
+                "refit of the async engine goes through the rl_specdec worker extension "
+                "(vllm_kwargs.worker_extension_cls must be unset)"
+            )
+        # vLLM's reload_weights, run in the engine-core process (see pack_state_dict for why packed)
+        await self.engine.collective_rpc("rl_specdec_reload_weights", args=(pack_state_dict(state_dict),))
         await self.engine.reset_prefix_cache()
         return time.time() - t0
 
@@ -319,6 +402,10 @@ class AsyncVllmWorker:
     async def wake_up_async(self) -> None:
         self._require_sleep()
         await self.engine.wake_up()
+
+    async def num_inflight(self) -> int:
+        """Requests submitted to the engine (by ``generate_async`` or the server) and not finished yet."""
+        return self.inflight
 
     async def report_base_url(self) -> str | None:
         """``http://127.0.0.1:PORT/v1``, or None when the worker has no server."""
@@ -435,21 +522,32 @@ class AsyncVllmGeneration(_group_base()):
 
         return ray.get([w.report_base_url.remote() for w in self.workers])
 
-    def iter_generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> Iterator[tuple[int, dict[str, Any]]]:
+    def iter_generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingSettings | Sequence[SamplingSettings],
+        extra: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
+    ) -> Iterator[tuple[int, dict[str, Any]]]:
         """Yield ``(index, sample)`` in the order samples finish, across all engines.
 
         Prompts are sharded as in ``generate``; ``index`` is the prompt's index in
-        ``prompt_token_ids``. Stopping the iteration early cancels the rest.
+        ``prompt_token_ids``. ``sampling``/``extra`` as in
+        ``AsyncVllmWorker.generate_async`` (shared or one per prompt). Stopping
+        the iteration early cancels the rest.
         """
         import ray
 
         from rl_specdec.generation.vllm_generation import shard_sizes
 
+        n = len(prompt_token_ids)
+        settings = _per_prompt(sampling, n, "sampling")
+        extras = _per_prompt(extra, n, "extra")
         gens, start = [], 0
-        for w, size in zip(self.workers, shard_sizes(len(prompt_token_ids), self.num_engines)):
+        for w, size in zip(self.workers, shard_sizes(n, self.num_engines)):
             if size:
+                sl = slice(start, start + size)
                 gens.append(
-                    w.generate_async.options(num_returns="streaming").remote(prompt_token_ids[start : start + size], sampling, start)
+                    w.generate_async.options(num_returns="streaming").remote(prompt_token_ids[sl], settings[sl], start, extras[sl])
                 )
             start += size
         pending = list(gens)

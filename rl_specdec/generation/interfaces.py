@@ -37,6 +37,16 @@ class GenerationOutput:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def select(self, indices: list[int]) -> "GenerationOutput":
+        """The outputs at ``indices``, in that order."""
+        return GenerationOutput(
+            token_ids=[self.token_ids[i] for i in indices],
+            logprobs=[self.logprobs[i] for i in indices],
+            finish_reasons=[self.finish_reasons[i] for i in indices],
+            top_logprobs=None if self.top_logprobs is None else [self.top_logprobs[i] for i in indices],
+            per_engine_time_s=list(self.per_engine_time_s),
+        )
+
 
 class RolloutEngine(Protocol):
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> GenerationOutput: ...

@@ -48,12 +48,27 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, Union
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from rl_specdec.generation.prefix import PrefixSpliceError, replace_prefix_tokens
 
 logger = logging.getLogger(__name__)
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
+
+# A chat template for the toy digit vocabulary (rl_specdec.toy): a user turn is its
+# content followed by "=", an assistant turn its content followed by the EOS token,
+# so turn boundaries are EOS tokens and turn 1 renders exactly as the task prompt
+# ("31415" -> "31415="). System messages are not part of the toy language.
+TOY_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'user' -%}{{ m['content'] }}="
+    "{%- elif m['role'] == 'assistant' -%}{{ m['content'] }}{{ eos_token }}"
+    "{%- else -%}{{ raise_exception('the toy chat template has no ' + m['role'] + ' role') }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
 
 
 @dataclass
@@ -104,58 +119,54 @@ class RequestError(Exception):
 
 # ---- request schema ------------------------------------------------------------------
 
-try:  # pydantic/fastapi come with vLLM; the module still imports without them (prefix tests)
-    from pydantic import BaseModel, ConfigDict, Field
 
-    class _SamplingRequest(BaseModel):
-        model_config = ConfigDict(extra="ignore")
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
 
-        model: str
-        max_tokens: int | None = Field(None, ge=1)
-        max_completion_tokens: int | None = Field(None, ge=1)
-        temperature: float = Field(1.0, ge=0.0)
-        top_p: float = Field(1.0, gt=0.0, le=1.0)
-        top_k: int = Field(-1, ge=-1)  # extension (vLLM): -1 is off
-        n: int = Field(1, ge=1, le=MAX_N)
-        seed: int | None = None
-        stream: bool = False
-        stop: str | list[str] | None = None
-        stop_token_ids: list[int] | None = None  # extension (vLLM)
-        ignore_eos: bool = False  # extension (vLLM)
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)  # extension (vLLM): -1 is off
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = None
+    stream: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    ignore_eos: bool = False  # extension (vLLM)
 
-    class ChatMessage(BaseModel):
-        model_config = ConfigDict(extra="allow")
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
 
-        role: Literal["system", "user", "assistant", "tool", "developer"]
-        content: str | list[dict[str, Any]] | None = None
-        # set by this server on assistant messages; sent back to continue a conversation on-policy
-        prompt_token_ids: list[int] | None = None
-        generation_token_ids: list[int] | None = None
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    # set by this server on assistant messages; sent back to continue a conversation on-policy
+    prompt_token_ids: list[int] | None = None
+    generation_token_ids: list[int] | None = None
 
-        def text(self) -> str:
-            if self.content is None:
-                return ""
-            if isinstance(self.content, str):
-                return self.content
-            parts = []
-            for p in self.content:
-                if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise RequestError(f"only text content parts are supported, got {p.get('type')!r}")
-                parts.append(p["text"])
-            return "".join(parts)
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for p in self.content:
+            if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise RequestError(f"only text content parts are supported, got {p.get('type')!r}")
+            parts.append(p["text"])
+        return "".join(parts)
 
-    class ChatCompletionRequest(_SamplingRequest):
-        messages: list[ChatMessage] = Field(min_length=1)
-        logprobs: bool = False
-        top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    class CompletionRequest(_SamplingRequest):
-        prompt: Union[str, list[str], list[int], list[list[int]]]
-        logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-        echo: bool = False
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
 
-except ImportError:  # pragma: no cover
-    pass
 
 
 # ---- helpers --------------------------------------------------------------------------
@@ -332,6 +343,7 @@ def build_app(backend: ServerBackend, cfg: ServerConfig):
         app.state.num_requests += 1
         check_model(req.model)
         prompt_ids, spliced = renderer.prompt_ids(req.messages)
+        _check_ids(prompt_ids, backend, "the prompt (with the spliced token ids)")
         top = (req.top_logprobs or 0) if req.logprobs else 0
         params = _sampling_params(req, len(prompt_ids), backend, cfg, top)
         samples = await run(prompt_ids, params)

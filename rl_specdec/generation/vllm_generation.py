@@ -46,8 +46,8 @@ def init_ray(cluster: ClusterConfig) -> None:
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
     if cluster.address:
         ray.init(address=cluster.address, **kwargs)
-    else:
-        ray.init(num_cpus=cluster.num_cpus, **kwargs)
+    else:  # "local": never attach to some other job's running cluster by accident
+        ray.init(address="local", num_cpus=cluster.num_cpus, **kwargs)
 
 
 def shard_sizes(n: int, k: int) -> list[int]:
@@ -110,12 +110,16 @@ class VllmGeneration:
             ).remote()
             for i in range(n)
         ]
-        self.placements = ray.get([w.placement.remote() for w in self.workers])
-        binds = assign_cpu_binds(self.placements, config.cpus_per_engine) if not on_gpu else [None] * n
         t0 = time.time()
-        self.engine_info = self._get(
-            [w.start_engine.remote(model, config.vllm_kwargs, seed, b, dict(config.env_vars)) for w, b in zip(self.workers, binds)]
-        )
+        try:
+            self.placements = ray.get([w.placement.remote() for w in self.workers])
+            binds = assign_cpu_binds(self.placements, config.cpus_per_engine) if not on_gpu else [None] * n
+            self.engine_info = self._get(
+                [w.start_engine.remote(model, config.vllm_kwargs, seed, b, dict(config.env_vars)) for w, b in zip(self.workers, binds)]
+            )
+        except BaseException:  # a failed start must not leave actors or reserved CPUs/GPUs behind
+            self.shutdown()
+            raise
         for i, (p, info) in enumerate(zip(self.placements, self.engine_info)):
             logger.info("engine %d on %s (node %s) cores=%s started in %.1fs", i, p["host"], p["node_id"][:8], info["cpu_bind"], info["start_s"])
         self.start_s = time.time() - t0
