@@ -41,9 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     except (GenerationEngineDied, SamplingSelfCheckFailed) as e:
         print(f"error: {e}", file=sys.stderr)  # the loop already logged the step and the last checkpoint
         return 1
+    if not last:  # resume=true found the run already at grpo.max_steps
+        print(f"nothing to do: the checkpoint in {cfg.logger.log_dir} is already at grpo.max_steps={cfg.grpo.max_steps}")
+        return 0
     print(
-        f"done in {time.time() - t0:.0f}s: step {last.get('step', cfg.grpo.max_steps)} "
-        f"reward {last['train/reward_mean']:.3f} accuracy {last['train/accuracy']:.3f}; "
+        f"done in {time.time() - t0:.0f}s: reward {last['train/reward_mean']:.3f} accuracy {last['train/accuracy']:.3f}; "
         f"metrics in {cfg.logger.log_dir}/metrics.jsonl (plot: python -m rl_specdec.plot {cfg.logger.log_dir})"
     )
     return 0
