@@ -67,7 +67,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 from rl_specdec.generation.config import ClusterConfig, GenerationConfig
 from rl_specdec.generation.interfaces import SamplingSettings
 from rl_specdec.generation.spec_config import ConfigError
-from rl_specdec.generation.vllm_worker import SPEC_COUNTERS, SPEC_PER_POS, VllmWorker
+from rl_specdec.generation.vllm_worker import VllmWorker, spec_counters
 
 logger = logging.getLogger(__name__)
 
@@ -368,15 +368,7 @@ class AsyncVllmWorker:
             return {}
         from vllm.v1.metrics.reader import get_metrics_snapshot
 
-        out: dict[str, Any] = {}
-        for m in get_metrics_snapshot():
-            if m.name in SPEC_COUNTERS:
-                out[m.name] = out.get(m.name, 0.0) + float(m.value)
-            elif m.name == SPEC_PER_POS:
-                vals = [float(v) for v in m.values]
-                prev = out.get(m.name, [0.0] * len(vals))
-                out[m.name] = [a + b for a, b in zip(prev, vals)]
-        return out
+        return spec_counters(get_metrics_snapshot())
 
     # ---- weights and lifecycle ------------------------------------------------------------
     async def update_weights_async(self, state_dict: dict[str, Any]) -> float:
@@ -463,11 +455,10 @@ class AsyncVllmGeneration(_group_base()):
         import dataclasses
 
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from rl_specdec.generation.server import ServerConfig
-        from rl_specdec.generation.vllm_generation import assign_cpu_binds, init_ray
+        from rl_specdec.generation.vllm_generation import assign_cpu_binds, init_ray, reserve_engine_bundles
 
         if isinstance(server, ServerConfig):
             server.check()
@@ -479,18 +470,7 @@ class AsyncVllmGeneration(_group_base()):
         cluster = cluster or ClusterConfig()
         init_ray(cluster)
         n = config.num_engines
-        on_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        tp = int(config.vllm_kwargs.get("tensor_parallel_size", 1))
-        bundle = {"GPU": tp, "CPU": 1} if on_gpu else {"CPU": config.cpus_per_engine}
-        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=cluster.placement_strategy)
-        try:
-            ray.get(self.pg.ready(), timeout=120)
-        except ray.exceptions.GetTimeoutError as e:
-            remove_placement_group(self.pg)
-            raise RuntimeError(
-                f"Ray could not reserve {n} x {bundle} for {n} async engines; the cluster has "
-                f"{ray.available_resources()}. Lower num_engines or cpus_per_engine, or add nodes."
-            ) from e
+        self.pg, on_gpu = reserve_engine_bundles(config, cluster, "async num_engines")
         actor_cls = ray.remote(AsyncVllmWorker)
         self.workers = [
             actor_cls.options(

@@ -76,6 +76,28 @@ def assign_cpu_binds(placements: list[dict[str, Any]], cpus_per_engine: int) -> 
     return binds
 
 
+def reserve_engine_bundles(config: GenerationConfig, cluster: ClusterConfig, what: str):
+    """A ready placement group with one bundle per engine; returns (pg, on_gpu).
+
+    A bundle is ``tensor_parallel_size`` GPUs (+1 CPU) on a GPU cluster, else
+    ``cpus_per_engine`` CPUs.
+    """
+    n = config.num_engines
+    on_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    tp = int(config.vllm_kwargs.get("tensor_parallel_size", 1))
+    bundle = {"GPU": tp, "CPU": 1} if on_gpu else {"CPU": config.cpus_per_engine}
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy=cluster.placement_strategy)
+    try:
+        ray.get(pg.ready(), timeout=120)
+    except ray.exceptions.GetTimeoutError as e:
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"Ray could not reserve {n} x {bundle} for {what}={n}; the cluster has "
+            f"{ray.available_resources()}. Lower num_engines or cpus_per_engine, or add nodes to the cluster."
+        ) from e
+    return pg, on_gpu
+
+
 class VllmGeneration:
     """The rollout engine: N vLLM engines, one per Ray actor."""
 
@@ -85,20 +107,7 @@ class VllmGeneration:
         cluster = cluster or ClusterConfig()
         init_ray(cluster)
         n = config.num_engines
-        tp = int(config.vllm_kwargs.get("tensor_parallel_size", 1))
-        on_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        bundle = {"GPU": tp, "CPU": 1} if on_gpu else {"CPU": config.cpus_per_engine}
-        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=cluster.placement_strategy)
-        try:
-            ray.get(self.pg.ready(), timeout=120)
-        except ray.exceptions.GetTimeoutError as e:
-            remove_placement_group(self.pg)
-            raise RuntimeError(
-                f"Ray could not reserve {n} x {bundle} for policy.generation.num_engines={n}; "
-                f"the cluster has {ray.available_resources()}. Lower num_engines or cpus_per_engine, "
-                "or add nodes to the cluster."
-            ) from e
-
+        self.pg, on_gpu = reserve_engine_bundles(config, cluster, "policy.generation.num_engines")
         actor_cls = ray.remote(VllmWorker)
         self.workers = [
             actor_cls.options(

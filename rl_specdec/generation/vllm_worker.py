@@ -29,6 +29,19 @@ SPEC_COUNTERS = (
 SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
+def spec_counters(metrics) -> dict[str, Any]:
+    """The spec-decode counters of a vLLM metrics snapshot, in vLLM's own names."""
+    out: dict[str, Any] = {}
+    for m in metrics:
+        if m.name in SPEC_COUNTERS:
+            out[m.name] = out.get(m.name, 0.0) + float(m.value)
+        elif m.name == SPEC_PER_POS:
+            vals = [float(v) for v in m.values]
+            prev = out.get(m.name, [0.0] * len(vals))
+            out[m.name] = [a + b for a, b in zip(prev, vals)]
+    return out
+
+
 class SleepNotSupported(RuntimeError):
     pass
 
@@ -128,17 +141,7 @@ class VllmWorker:
     # ---- metrics ----------------------------------------------------------
     def get_metrics(self) -> dict[str, Any]:
         """Cumulative spec-decode counters in vLLM's own names ({} without speculation)."""
-        if not self.has_spec:
-            return {}
-        out: dict[str, Any] = {}
-        for m in self.llm.get_metrics():
-            if m.name in SPEC_COUNTERS:
-                out[m.name] = out.get(m.name, 0.0) + float(m.value)
-            elif m.name == SPEC_PER_POS:
-                vals = [float(v) for v in m.values]
-                prev = out.get(m.name, [0.0] * len(vals))
-                out[m.name] = [a + b for a, b in zip(prev, vals)]
-        return out
+        return spec_counters(self.llm.get_metrics()) if self.has_spec else {}
 
     # ---- weights and lifecycle -------------------------------------------
     def update_weights(self, state_dict: dict[str, Any]) -> float:
