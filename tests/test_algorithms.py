@@ -162,3 +162,20 @@ def test_sorting_pool_is_a_fixed_dataset_and_validation_is_held_out():
     val = t.validation_batch(10**9 + 7, 64)
     assert len({s.prompt for s in val} & pool) < 4  # held out (random digit strings rarely collide)
     assert SortingTask().make_batch(7, 8) != a  # dataset_size=0: fresh problems
+
+
+def test_time_until_done_and_tail_metrics():
+    from rl_specdec.algorithms.grpo import tail_metrics
+
+    out = GenerationOutput(token_ids=[[1]] * 10, logprobs=[[0.0]] * 10, finish_reasons=["stop"] * 10, finish_time_s=[0.9, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 5.0])
+    assert out.time_until_done(0.5) == 0.5  # the 5th of 10 sorted times
+    assert out.time_until_done(0.9) == 0.9
+    assert out.time_until_done(1.0) == 5.0  # the straggler the step waits for
+    assert out.time_until_done(0.01) == 0.1
+    assert tail_metrics(out) == {"generation/time_to_50pct_done": 0.5, "generation/time_to_90pct_done": 0.9, "generation/time_to_100pct_done": 5.0}
+    sub = out.select([9, 0])
+    assert sub.finish_time_s == [5.0, 0.9]
+    with pytest.raises(ValueError, match="fraction"):
+        out.time_until_done(0.0)
+    none = GenerationOutput(token_ids=[[1]], logprobs=[[0.0]], finish_reasons=["stop"])
+    assert none.time_until_done(0.5) is None and tail_metrics(none) == {} and none.select([0]).finish_time_s == []

@@ -342,6 +342,10 @@ def test_two_engines_greedy_equals_one(eng_pair, eng_ngram, task_prompts, hf_ref
     assert out.token_ids == hf_reference
     assert out.token_ids == eng_ngram.generate(task_prompts, GREEDY).token_ids
     assert len(out.per_engine_time_s) == 2
+    # per-request finish times from vLLM's own timestamps: one per sample, within its engine's call
+    assert len(out.finish_time_s) == len(task_prompts)
+    assert all(0.0 < t <= max(out.per_engine_time_s) for t in out.finish_time_s), out.finish_time_s
+    assert len(set(out.finish_time_s)) > 1  # not one time stamped on every sample
 
 
 @pytest.mark.parametrize("n", [16, 15])  # even and uneven shards

@@ -68,6 +68,9 @@ def test_metrics_jsonl_has_every_key_finite(uninterrupted):
         for i in (1, 2, 3):
             assert 0.0 <= r[f"spec_decode/acceptance_rate_pos_{i}"] <= 1.0
         assert r["train/logprob_mismatch"] < MISMATCH_THRESHOLD
+        # the long tail: when 50/90/100% of the step's rollouts were done, inside the generation phase
+        d50, d90, d100 = (r[f"generation/time_to_{p}pct_done"] for p in (50, 90, 100))
+        assert 0.0 < d50 <= d90 <= d100 <= r["timing/generation"], r
     assert "val/accuracy" in rows[1] and "val/accuracy" in rows[3]
     baseline = _rows(uninterrupted, with_baseline=True)[0]
     assert baseline["step"] == 0 and "val/accuracy" in baseline

@@ -209,3 +209,42 @@ def test_result_is_accepted_by_vllm_speculative_config_fields(policy, drafter):
     fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
     out = validate({"method": "draft_model", "model": drafter, "num_speculative_tokens": 3}, policy, load_format="dummy")
     assert set(out["speculative_config"]) <= fields
+
+
+# ---- vLLM's batch-size schedule for k (num_speculative_tokens_per_batch_size) ------------
+SCHED_KEY = f"{SPEC_KEY}.num_speculative_tokens_per_batch_size"
+
+
+def test_schedule_sets_k_to_its_largest_entry(policy, drafter):
+    out = validate({"method": "draft_model", "model": drafter, "num_speculative_tokens_per_batch_size": [[17, 1024, 0], [1, 16, 4]]}, policy)
+    spec = out["speculative_config"]
+    assert spec["num_speculative_tokens"] == 4
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 16, 4], [17, 1024, 0]]  # sorted by vLLM's parser
+
+
+def test_schedule_above_num_speculative_tokens_is_refused(policy, drafter):
+    """vLLM would silently cap k=5 at 3; here it is an error naming the fix."""
+    with pytest.raises(ConfigError, match=rf"{SCHED_KEY} asks for k=5 but .*num_speculative_tokens=3 caps .*set {SPEC_KEY}\.num_speculative_tokens=5"):
+        validate({"method": "draft_model", "model": drafter, "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 8, 5], [9, 64, 3]]}, policy)
+
+
+@pytest.mark.parametrize(
+    "schedule, why",
+    [
+        ([[2, 16, 3]], "must start at 1"),
+        ([[1, 16, 3], [10, 64, 2]], "non-overlapping"),
+        ([[1, 16]], "3-item sequence"),
+        ([[1, 16, -1]], ">= 0"),
+        ([[1, 1024, 0]], "never speculates"),
+    ],
+)
+def test_bad_schedule_names_the_key_and_the_form(policy, drafter, schedule, why):
+    with pytest.raises(ConfigError, match=SCHED_KEY) as e:
+        validate({"method": "draft_model", "model": drafter, "num_speculative_tokens_per_batch_size": schedule}, policy)
+    assert why in str(e.value)
+
+
+def test_null_keys_are_unset(policy):
+    """After an override like method=suffix, model=null removes the drafter rather than failing."""
+    out = validate({"method": "suffix", "num_speculative_tokens": 3, "model": None, "draft_sample_method": None}, policy)
+    assert out["speculative_config"] == {"method": "suffix", "num_speculative_tokens": 3}

@@ -286,6 +286,7 @@ def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
                 "generation/response_length_mean": lengths.mean().item(),
                 "generation/response_length_max": lengths.max().item(),
                 "generation/truncated_fraction": sum(r == "length" for r in out.finish_reasons) / len(out.finish_reasons),
+                **tail_metrics(out),
                 **spec_metrics,
                 **val_metrics,
                 **times,
@@ -314,6 +315,15 @@ def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
     finally:
         run.shutdown()
     return last
+
+
+def tail_metrics(out: GenerationOutput) -> dict[str, float]:
+    """The long tail of one generation step: seconds until 50%, 90% and 100% of rollouts were done."""
+    return {
+        f"generation/time_to_{pct}pct_done": t
+        for pct in (50, 90, 100)
+        if (t := out.time_until_done(pct / 100)) is not None
+    }
 
 
 def _postfix(m: dict[str, Any]) -> dict[str, str]:

@@ -347,8 +347,9 @@ class AsyncVllmWorker:
         """All samples in input order, in ``VllmWorker.generate``'s layout."""
         t0 = time.time()
         results: dict[int, dict[str, Any]] = {}
+        done: dict[int, float] = {}  # seconds from the call's start until each sample finished
         async for i, s in self.generate_async(prompt_token_ids, sampling, offset, extra):
-            results[i] = s
+            results[i], done[i] = s, time.time() - t0
         ordered = [results[offset + i] for i in range(len(prompt_token_ids))]
         return {
             "token_ids": [s["token_ids"] for s in ordered],
@@ -356,6 +357,7 @@ class AsyncVllmWorker:
             "finish_reasons": [s["finish_reason"] for s in ordered],
             "top_logprobs": [s["top_logprobs"] for s in ordered] if sampling.logprobs > 0 else None,
             "time_s": time.time() - t0,
+            "finish_time_s": [done[offset + i] for i in range(len(prompt_token_ids))],
         }
 
     # ---- metrics --------------------------------------------------------------------------

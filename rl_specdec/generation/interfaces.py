@@ -7,6 +7,7 @@ boundary in either direction; tokenisation belongs to the caller.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,9 +34,26 @@ class GenerationOutput:
     finish_reasons: list[str]  # "stop" (EOS / stop token) or "length"
     top_logprobs: list[list[dict[int, float]]] | None = None  # only when logprobs > 0
     per_engine_time_s: list[float] = field(default_factory=list)
+    # Per sample: seconds from its engine's start of the call to the sample's last
+    # token (vLLM's per-request timestamps). Shows the long tail: when 50/90/100%
+    # of a step's rollouts were done. Empty where the engine does not report it.
+    finish_time_s: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def time_until_done(self, fraction: float) -> float | None:
+        """Seconds until ``fraction`` of the samples had finished (None without finish times).
+
+        ``time_until_done(1.0)`` is the slowest sample: the long tail that the
+        whole step waits for.
+        """
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        if not self.finish_time_s:
+            return None
+        times = sorted(self.finish_time_s)
+        return times[max(math.ceil(fraction * len(times)) - 1, 0)]
 
     def select(self, indices: list[int]) -> "GenerationOutput":
         """The outputs at ``indices``, in that order."""
@@ -45,6 +63,7 @@ class GenerationOutput:
             finish_reasons=[self.finish_reasons[i] for i in indices],
             top_logprobs=None if self.top_logprobs is None else [self.top_logprobs[i] for i in indices],
             per_engine_time_s=list(self.per_engine_time_s),
+            finish_time_s=[self.finish_time_s[i] for i in indices] if self.finish_time_s else [],
         )
 
 

@@ -114,6 +114,35 @@ def validate_vllm_kwargs(
     return kw
 
 
+def _check_schedule(schedule: Any, k_tokens: Any, key: str) -> tuple[list[list[int]], int]:
+    """vLLM's batch-size schedule for k, checked with vLLM's own parser; returns it and the k it needs.
+
+    vLLM silently caps every scheduled k at ``num_speculative_tokens``, so a
+    schedule asking for more is an error here rather than a quiet no-op.
+    """
+    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+    sk = f"{key}.num_speculative_tokens_per_batch_size"
+    try:
+        parsed = validate_and_normalize_dynamic_sd_schedule([list(e) if isinstance(e, (list, tuple)) else e for e in schedule])
+    except (ValueError, TypeError) as e:
+        raise ConfigError(
+            f"{sk}: {e} Write it as a list of [first_batch_size, last_batch_size, k] ranges starting at 1, "
+            "e.g. [[1, 16, 5], [17, 64, 3], [65, 1024, 2]]."
+        ) from None
+    k_max = max(k for _, _, k in parsed)
+    if k_tokens is None:
+        k_tokens = k_max
+    elif k_max > int(k_tokens):
+        raise ConfigError(
+            f"{sk} asks for k={k_max} but {key}.num_speculative_tokens={k_tokens} caps every scheduled k; "
+            f"set {key}.num_speculative_tokens={k_max} (or drop it: it defaults to the schedule's largest k)."
+        )
+    if k_max < 1:
+        raise ConfigError(f"{sk} never speculates (every k is 0); set {key}=null to turn speculation off.")
+    return [list(e) for e in parsed], int(k_tokens)
+
+
 def validate_speculative_config(
     spec: dict[str, Any],
     policy_model: str,
@@ -125,6 +154,7 @@ def validate_speculative_config(
 ) -> dict[str, Any]:
     from vllm.config.speculative import SpeculativeConfig
 
+    spec = {k: v for k, v in spec.items() if v is not None}  # a key set to null is unset (e.g. model=null after method=suffix)
     methods = vllm_speculative_methods()
     method = spec.get("method")
     if method is None:
@@ -143,6 +173,9 @@ def validate_speculative_config(
         raise ConfigError(f"{key}.num_speculative_tokens is missing; set it to the number of drafted tokens, e.g. 3.")
     if k_tokens is not None and int(k_tokens) < 1:
         raise ConfigError(f"{key}.num_speculative_tokens={k_tokens} must be >= 1 (3 is a good start); to turn speculation off set {key}=null.")
+
+    if schedule is not None:
+        schedule, k_tokens = _check_schedule(schedule, k_tokens, key)
 
     needs_model = method in DRAFTER_METHODS
     if needs_model and not spec.get("model"):
@@ -181,6 +214,9 @@ def validate_speculative_config(
         )
 
     out = dict(spec)
+    if schedule is not None:
+        out["num_speculative_tokens_per_batch_size"] = schedule
+        out["num_speculative_tokens"] = k_tokens
     if needs_model or method in vllm_mtp_methods():
         out.setdefault("draft_sample_method", "probabilistic")
     if needs_model and policy_load_format == "dummy" and "draft_load_config" not in out:

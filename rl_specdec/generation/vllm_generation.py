@@ -165,6 +165,7 @@ class VllmGeneration:
             if sampling.logprobs:
                 out.top_logprobs += p["top_logprobs"]
             out.per_engine_time_s.append(p["time_s"])
+            out.finish_time_s += p["finish_time_s"]
         return out
 
     def check_sampling(self, prompt_token_ids: list[list[int]], max_tokens: int, top_k: int = 5, seed: int = 0, min_p_value: float = 1e-6) -> CalibrationReport:

@@ -104,6 +104,7 @@ class VllmWorker:
         from vllm import SamplingParams
 
         t0 = time.time()
+        t0_mono = time.monotonic()  # vLLM's per-request timestamps are time.monotonic() in the engine core
         params = [
             SamplingParams(
                 n=1,
@@ -120,8 +121,12 @@ class VllmWorker:
         ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
-        token_ids, logprobs, reasons, tops = [], [], [], []
+        time_s = time.time() - t0
+        token_ids, logprobs, reasons, tops, finish = [], [], [], [], []
         for o in outs:
+            stats = o.metrics  # RequestStateStats (stat logging is on)
+            done = getattr(stats, "last_token_ts", 0.0) if stats is not None else 0.0
+            finish.append(min(max(done - t0_mono, 0.0), time_s) if done else time_s)
             c = o.outputs[0]
             ids = list(c.token_ids)
             token_ids.append(ids)
@@ -135,7 +140,8 @@ class VllmWorker:
             "logprobs": logprobs,
             "finish_reasons": reasons,
             "top_logprobs": tops if sampling.logprobs > 0 else None,
-            "time_s": time.time() - t0,
+            "time_s": time_s,
+            "finish_time_s": finish,
         }
 
     # ---- metrics ----------------------------------------------------------

@@ -1,0 +1,521 @@
+"""What speculation buys in RL, measured side by side in one run.
+
+    python benchmarks/bench.py --quick            # < 5 min on 2 cores: every table, small
+    python benchmarks/bench.py --seeds 0,1        # the full results of docs/performance.md (~1.5 h)
+    python benchmarks/bench.py --sections grpo    # one part; see --help
+
+Sections (each prints markdown tables; all write ``<out>/report.md``, JSON and PNGs):
+
+rollout
+    Rollout throughput of one vLLM engine: no speculation, draft_model, ngram and
+    (with ``arctic-inference``) suffix at k in {1, 2, 3, 5}, draft_model with a
+    batch-size schedule, batch sizes {1, 8, 64, 256}, temperatures 0 and 1;
+    tokens/s, acceptance, speed-up over no speculation in the same run
+    (``benchmarks/rollout.py``).
+grpo
+    The default GRPO run (``examples/run_grpo.py``) under each variant: grpo_base
+    (no speculation), grpo_spec (draft_model, k=3) and the variants in
+    ``GRPO_VARIANTS`` (other k, the batch-size schedule, ngram, suffix, two
+    engines). Same prompts and step count; every variant runs once per seed in
+    ``--seeds`` and the tables give the mean and each seed (step time on 2 CPU
+    cores swings ~10% between seeds). Step time, its per-phase split, and the
+    ratio to grpo_base. From the same runs: the long tail (per step, the
+    time until 50/90/100% of rollouts were done).
+staleness
+    One long grpo_spec run (the drafter is never refit): acceptance rate and
+    length at every step while the policy drifts (KL to the start).
+peer
+    TRL's GRPOTrainer on the same task, model, batch and step count
+    (``benchmarks/peer_trl.py``), against rl_specdec's step time and rollout tokens/s.
+
+Every GRPO figure comes from a fresh subprocess per run, with wandb and
+checkpoints off (identical for every variant) and its metrics read back from
+``metrics.jsonl``. Step time is the median over the steps after the first (the
+first pays for compilation and cache warm-up). Nothing else should run on the
+machine meanwhile; the report prints the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+SPEC = "policy.generation.vllm_kwargs.speculative_config"
+SECTIONS = ("rollout", "grpo", "staleness", "peer")
+
+# name -> (config, overrides). Every variant of the default run differs from
+# grpo_spec.yaml / grpo_base.yaml only in these keys.
+GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "grpo_base": ("configs/grpo_base.yaml", []),
+    "grpo_spec": ("configs/grpo_spec.yaml", []),
+    "draft k=1": ("configs/grpo_spec.yaml", [f"{SPEC}.num_speculative_tokens=1"]),
+    "draft k=2": ("configs/grpo_spec.yaml", [f"{SPEC}.num_speculative_tokens=2"]),
+    "draft k=5": ("configs/grpo_spec.yaml", [f"{SPEC}.num_speculative_tokens=5"]),
+    "draft schedule": (
+        "configs/grpo_spec.yaml",
+        [f"{SPEC}.num_speculative_tokens=5", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,5],[17,64,3],[65,1024,2]]"],
+    ),
+    "draft tail-only": (
+        "configs/grpo_spec.yaml",
+        [f"{SPEC}.num_speculative_tokens=3", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,3],[17,1024,0]]"],
+    ),
+    "ngram k=3": ("configs/grpo_spec.yaml", [f"{SPEC}.method=ngram", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null", f"{SPEC}.prompt_lookup_max=3", f"{SPEC}.prompt_lookup_min=1"]),
+    "suffix k=3": ("configs/grpo_spec.yaml", [f"{SPEC}.method=suffix", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null"]),
+    "schedule 2x1": (
+        "configs/grpo_spec.yaml",
+        [
+            f"{SPEC}.num_speculative_tokens=5",
+            f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,5],[17,64,3],[65,1024,2]]",
+            "policy.generation.num_engines=2",
+            "policy.generation.cpus_per_engine=1",
+        ],
+    ),
+    "grpo_base 2x1": ("configs/grpo_base.yaml", ["policy.generation.num_engines=2", "policy.generation.cpus_per_engine=1"]),
+    "grpo_spec 2x1": ("configs/grpo_spec.yaml", ["policy.generation.num_engines=2", "policy.generation.cpus_per_engine=1"]),
+}
+QUICK_VARIANTS = ["grpo_base", "grpo_spec"]
+# what every benchmark run changes: its own log folder, no wandb, no checkpoints, no bar
+COMMON = ["logger.wandb.enabled=false", "checkpoint.enabled=false", "logger.progress_bar=false"]
+# --quick: skip what only costs start-up time (the sampling self-check, validation, torch.compile)
+QUICK = ["policy.generation.self_check=false", "grpo.val_every=0", "policy.generation.vllm_kwargs.enforce_eager=true"]
+PHASES = ("generation", "train", "refit", "validation", "reward", "prompts")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- running ------------------------------------------------------------------------
+def run_dir(out: Path, name: str, seed: int) -> Path:
+    return out / "runs" / f"seed{seed}" / name.replace(" ", "_").replace("=", "")
+
+
+def load_rows(log_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl rows after the step-0 baseline."""
+    rows = [json.loads(line) for line in open(log_dir / "metrics.jsonl")]
+    return [r for r in rows if r["step"] >= 1]
+
+
+def run_grpo(name: str, config: str, overrides: list[str], steps: int, out: Path, quick: bool, seed: int, resume: bool = False) -> list[dict]:
+    """One GRPO run in a fresh process; returns its metrics.jsonl rows (step >= 1).
+
+    A finished run leaves ``done.json`` (its config and overrides); with ``resume`` a run
+    whose ``done.json`` matches is read back instead of run again.
+    """
+    log_dir = run_dir(out, name, seed)
+    args = [config, f"grpo.max_steps={steps}", f"seed={seed}", *COMMON, *(QUICK if quick else []), *overrides]
+    done = log_dir / "done.json"
+    if resume and done.exists() and json.loads(done.read_text()).get("args") == args:
+        rows = load_rows(log_dir)
+        log(f"  {name}: reusing the finished run in {log_dir} (--resume)")
+        return rows
+    done.unlink(missing_ok=True)
+    cmd = [sys.executable, str(REPO / "examples/run_grpo.py"), "--config", str(REPO / config), f"logger.log_dir={log_dir}", *args[1:]]
+    log(f"  {name}, seed {seed}: {steps} steps (log: {log_dir}/run.log)")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with open(log_dir / "run.log", "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+    if rc != 0:
+        tail = (log_dir / "run.log").read_text().splitlines()[-15:]
+        raise RuntimeError(f"GRPO run {name!r} failed (rc={rc}); last lines of {log_dir}/run.log:\n" + "\n".join(tail))
+    rows = load_rows(log_dir)
+    done.write_text(json.dumps({"args": args, "seconds": round(time.time() - t0, 1)}))
+    log(f"  {name}: done in {time.time() - t0:.0f}s, median step {step_stats(rows)['step_s']:.2f}s")
+    return rows
+
+
+def step_stats(rows: list[dict]) -> dict:
+    """Median step time and mean phase times over the steps after the first."""
+    rs = rows[1:] if len(rows) > 1 else rows
+    mean = lambda k: statistics.fmean(r.get(k, 0.0) or 0.0 for r in rs)  # noqa: E731
+    out = {
+        "steps": len(rs),
+        "step_s": statistics.median(r["timing/step"] for r in rs),
+        "step_mean_s": mean("timing/step"),
+        "tokens_per_step": mean("generation/num_tokens"),
+        "train_samples": mean("train/num_samples"),
+        "gen_tokens_per_s": sum(r["generation/num_tokens"] for r in rs) / max(sum(r["timing/generation"] for r in rs), 1e-9),
+        "reward_first": statistics.fmean(r["train/reward_mean"] for r in rows[: max(1, len(rows) // 10)]),
+        "reward_last": statistics.fmean(r["train/reward_mean"] for r in rows[-max(1, len(rows) // 10) :]),
+        "acceptance_length": _mean_or_none(rs, "spec_decode/acceptance_length"),
+        "acceptance_rate": _mean_or_none(rs, "spec_decode/acceptance_rate"),
+    }
+    for p in PHASES:
+        out[f"{p}_s"] = mean(f"timing/{p}")
+    for pct in (50, 90, 100):
+        out[f"done{pct}_s"] = _mean_or_none(rs, f"generation/time_to_{pct}pct_done")
+    return out
+
+
+def combine_seeds(per_seed: dict[int, dict]) -> dict:
+    """The mean of each figure over seeds; ``step_s_per_seed`` keeps the spread visible."""
+    seeds = sorted(per_seed)
+    out = {}
+    for k in per_seed[seeds[0]]:
+        vals = [per_seed[sd][k] for sd in seeds if per_seed[sd].get(k) is not None]
+        out[k] = statistics.fmean(vals) if vals else None
+    out["seeds"] = seeds
+    out["step_s_per_seed"] = [per_seed[sd]["step_s"] for sd in seeds]
+    out["generation_s_per_seed"] = [per_seed[sd]["generation_s"] for sd in seeds]
+    return out
+
+
+def _mean_or_none(rows: list[dict], key: str):
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+# ---- tables -----------------------------------------------------------------------
+def f(x, spec="{:.2f}") -> str:
+    return "-" if x is None else spec.format(x)
+
+
+def grpo_table(stats: dict[str, dict]) -> str:
+    base = stats.get("grpo_base", {})
+    ratio = lambda s, k: f(s[k] / base[k] if base.get(k) else None, "{:.2f}x")  # noqa: E731
+    lines = [
+        "| variant | step (s, median) | per seed | vs grpo_base | generation (s) | per seed | generation vs grpo_base | train (s) | samples trained | refit (s) | validation (s) | gen tokens/s | acceptance length | reward first→last 10% |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    seeds = lambda s, k: ", ".join(f"{x:.2f}" for x in s.get(f"{k}_per_seed", [s[k]]))  # noqa: E731
+    for name, s in stats.items():
+        lines.append(
+            f"| {name} | {s['step_s']:.2f} | {seeds(s, 'step_s')} | {ratio(s, 'step_s')} | {s['generation_s']:.2f} | {seeds(s, 'generation_s')} | {ratio(s, 'generation_s')} | "
+            f"{s['train_s']:.2f} | {s.get('train_samples', 0):.0f} | {s['refit_s']:.2f} | {s['validation_s']:.2f} | {s['gen_tokens_per_s']:.0f} | "
+            f"{f(s['acceptance_length'])} | {s['reward_first']:.2f}→{s['reward_last']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def phase_table(stats: dict[str, dict]) -> str:
+    lines = ["| variant | " + " | ".join(PHASES) + " | other |", "|---|" + "---|" * (len(PHASES) + 1)]
+    for name, s in stats.items():
+        tot = s["step_mean_s"]
+        shares = [s[f"{p}_s"] / tot for p in PHASES]
+        lines.append(f"| {name} | " + " | ".join(f"{x:.0%}" for x in shares) + f" | {max(1 - sum(shares), 0):.0%} |")
+    return "\n".join(lines)
+
+
+def tail_table(stats: dict[str, dict]) -> str:
+    lines = [
+        "| variant | 50% done (s) | 90% done (s) | 100% done (s) | 100% / 50% | generation phase (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in stats.items():
+        d50, d90, d100 = s["done50_s"], s["done90_s"], s["done100_s"]
+        lines.append(f"| {name} | {f(d50)} | {f(d90)} | {f(d100)} | {f(d100 / d50 if d50 and d100 else None, '{:.1f}x')} | {s['generation_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def staleness_table(rows: list[dict], buckets: int = 10) -> str:
+    lines = ["| steps | acceptance rate | acceptance rate, position 1 | acceptance length | KL to start | train reward |", "|---|---|---|---|---|---|"]
+    n = len(rows)
+    size = max(1, n // buckets)
+    for i in range(0, n, size):
+        b = rows[i : i + size]
+        lines.append(
+            f"| {b[0]['step']}–{b[-1]['step']} | {f(_mean_or_none(b, 'spec_decode/acceptance_rate'), '{:.3f}')} | "
+            f"{f(_mean_or_none(b, 'spec_decode/acceptance_rate_pos_1'), '{:.3f}')} | "
+            f"{f(_mean_or_none(b, 'spec_decode/acceptance_length'), '{:.3f}')} | {f(_mean_or_none(b, 'train/kl'), '{:.4f}')} | "
+            f"{f(_mean_or_none(b, 'train/reward_mean'))} |"
+        )
+    return "\n".join(lines)
+
+
+def peer_table(trl: dict, stats: dict[str, dict]) -> str:
+    lines = ["| trainer | generation | step (s, median) | rollout (s, median) | rollout tokens/s | steps |", "|---|---|---|---|---|---|"]
+    for name in ("grpo_base", "grpo_spec"):
+        if name in stats:
+            s = stats[name]
+            lines.append(f"| rl_specdec {name} | vLLM engine (Ray actor){' + draft_model k=3' if name == 'grpo_spec' else ''} | {s['step_s']:.2f} | {s['generation_s']:.2f} | {s['gen_tokens_per_s']:.0f} | {s['steps']} |")
+    t = trl["summary"]
+    lines.append(f"| TRL {t['trl_version']} GRPOTrainer | {t['generation']} | {t['step_s']:.2f} | {t['generate_s']:.2f} | {t['rollout_tokens_per_s']:.0f} | {t['steps_measured']} |")
+    return "\n".join(lines)
+
+
+def verdict_text(stats: dict[str, dict]) -> str:
+    """Fastest variant by step time and by generation time; the schedule against the best fixed k."""
+    base = stats["grpo_base"]
+    spec = {n: s for n, s in stats.items() if "base" not in n}
+    by_step = min(stats, key=lambda n: stats[n]["step_s"])
+    by_gen = min(stats, key=lambda n: stats[n]["generation_s"])
+    out = [
+        f"Fastest step: **{by_step}**, {stats[by_step]['step_s']:.2f} s ({stats[by_step]['step_s'] / base['step_s']:.2f}x grpo_base).",
+        f"Fastest generation phase: **{by_gen}**, {stats[by_gen]['generation_s']:.2f} s ({stats[by_gen]['generation_s'] / base['generation_s']:.2f}x grpo_base).",
+    ]
+    if spec:
+        best = min(spec, key=lambda n: spec[n]["step_s"])
+        out.append(f"Fastest with speculation: **{best}**, {spec[best]['step_s'] / base['step_s']:.2f}x grpo_base's step time.")
+    sched = {n: s for n, s in spec.items() if "schedule" in n or "tail-only" in n}
+    fixed = {n: s for n, s in spec.items() if n.startswith("draft k=") or n == "grpo_spec"}
+    if sched and fixed:
+        bf = min(fixed, key=lambda n: fixed[n]["step_s"])
+        bs = min(sched, key=lambda n: sched[n]["step_s"])
+        won = sched[bs]["step_s"] < fixed[bf]["step_s"]
+        out.append(
+            f"Batch-size schedule ({bs}) vs the best fixed k ({bf}): {sched[bs]['step_s']:.2f} vs {fixed[bf]['step_s']:.2f} s/step, "
+            f"generation {sched[bs]['generation_s']:.2f} vs {fixed[bf]['generation_s']:.2f} s ({'the schedule wins' if won else 'fixed k wins'})."
+        )
+    return " ".join(out)
+
+
+# ---- plots --------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_grpo(runs: dict[str, list[dict]], stats: dict[str, dict], path: Path) -> None:
+    """Left: median step and mean generation time per variant. Right: the mean per-phase split."""
+    plt = _plt()
+    names = list(stats)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.35 * len(names) + 2.2), sharey=True)
+    y = list(range(len(names)))
+    axes[0].barh([i - 0.2 for i in y], [stats[n]["step_s"] for n in names], height=0.4, label="step (median)")
+    axes[0].barh([i + 0.2 for i in y], [stats[n]["generation_s"] for n in names], height=0.4, label="generation phase (mean)")
+    if "grpo_base" in stats:
+        axes[0].axvline(stats["grpo_base"]["step_s"], color="grey", ls="--", lw=1)
+        axes[0].axvline(stats["grpo_base"]["generation_s"], color="grey", ls=":", lw=1)
+    axes[0].set(yticks=y, yticklabels=names, xlabel="seconds", title="GRPO step and generation time (dashed: grpo_base)")
+    axes[0].invert_yaxis()
+    axes[0].legend(fontsize=7, loc="lower right")
+    left = [0.0] * len(names)
+    for p in PHASES:
+        vals = [stats[n][f"{p}_s"] for n in names]
+        axes[1].barh(y, vals, left=left, label=p)
+        left = [a + v for a, v in zip(left, vals)]
+    axes[1].set(xlabel="mean seconds per step", title="per-phase split")
+    axes[1].legend(fontsize=7, loc="lower right")
+    for ax in axes:
+        ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_tail(runs: dict[str, list[dict]], stats: dict[str, dict], path: Path) -> None:
+    """Left: mean time until 50/90/100% of a step's rollouts were done. Right: the 100% time per step of one seed (10-step mean)."""
+    plt = _plt()
+    names = [n for n in runs if runs[n] and runs[n][0].get("generation/time_to_100pct_done") is not None and stats[n].get("done100_s")]
+    if not names:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.3 * len(names) + 2.6))
+    y = list(range(len(names)))
+    for off, pct in ((-0.27, 50), (0.0, 90), (0.27, 100)):
+        axes[0].barh([i + off for i in y], [stats[n][f"done{pct}_s"] for n in names], height=0.27, label=f"{pct}% done")
+    axes[0].set(yticks=y, yticklabels=names, xlabel="seconds into the generation step (mean over steps after the first)", title="when the rollouts finished")
+    axes[0].invert_yaxis()
+    axes[0].legend(fontsize=7, loc="lower right")
+    for n in names:
+        rows = runs[n]
+        axes[1].plot([r["step"] for r in rows], _rolling([r["generation/time_to_100pct_done"] for r in rows], 10), label=n, lw=2 if n in ("grpo_base", "grpo_spec") else 1)
+    axes[1].set(xlabel="step", ylabel="seconds until 100% done (10-step mean)", title=f"the last rollout of each step (seed {stats[names[0]]['seeds'][0]})")
+    axes[1].legend(fontsize=6, ncol=2)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_staleness(rows: list[dict], path: Path) -> None:
+    plt = _plt()
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    acc = [r.get("spec_decode/acceptance_rate") for r in rows]
+    length = [r.get("spec_decode/acceptance_length") for r in rows]
+    axes[0].plot(steps, acc, ".", ms=3, alpha=0.5, label="per step")
+    axes[0].plot(steps, _rolling(acc, 10), "-", label="10-step mean")
+    axes[0].plot(steps, _rolling([r.get("spec_decode/acceptance_rate_pos_1") for r in rows], 10), "-", label="position 1 (10-step mean)")
+    axes[0].set(xlabel="step", ylabel="acceptance rate", title="frozen drafter vs drifting policy")
+    ax2 = axes[0].twinx()
+    ax2.plot(steps, _rolling(length, 10), "r-", lw=0.8)
+    ax2.set_ylabel("acceptance length (10-step mean)", color="r")
+    axes[0].legend(fontsize=7)
+    kl = [r.get("train/kl") for r in rows]
+    axes[1].plot(steps, kl, ".", ms=3, alpha=0.5, label="per step")
+    axes[1].plot(steps, _rolling(kl, 10), "-", label="10-step mean")
+    axes[1].legend(fontsize=7)
+    axes[1].set(xlabel="step", ylabel="KL(policy || start)", title="policy drift")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _rolling(xs: list, w: int) -> list:
+    out = []
+    for i in range(len(xs)):
+        win = [x for x in xs[max(0, i - w + 1) : i + 1] if x is not None]
+        out.append(statistics.fmean(win) if win else None)
+    return out
+
+
+# ---- the command -------------------------------------------------------------------
+def header() -> str:
+    import torch
+    import vllm
+
+    cores = len(os.sched_getaffinity(0))
+    load = os.getloadavg()[0]
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor()
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    if load > 0.5 * cores:
+        log(f"WARNING: load average {load:.2f} on {cores} cores: another job is running, every timing will be off")
+    return f"{cpu}, {cores} cores, {mem:.0f} GiB; vLLM {vllm.__version__}, torch {torch.__version__}; load average at start {load:.2f}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="every section, small: finishes in under 5 minutes on 2 cores")
+    p.add_argument("--out", default="results/bench", help="results folder (report.md, *.json, *.png)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--variants", default=None, help=f"GRPO variants (default: all; --quick: {','.join(QUICK_VARIANTS)}); from: {'; '.join(GRPO_VARIANTS)}")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps per variant (default: the config's 60; --quick 5)")
+    p.add_argument("--report-only", action="store_true", help="rebuild the tables and plots from the runs already in --out (runs nothing)")
+    p.add_argument("--resume", action="store_true", help="reuse the runs in --out that finished with the same settings (an interrupted benchmark picks up where it stopped)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds; every GRPO variant runs once per seed and the tables give the mean and each seed (full results: 0,1)")
+    p.add_argument("--staleness-steps", type=int, default=200, help="length of the staleness run (--quick: reuses grpo_spec)")
+    p.add_argument("--peer-steps", type=int, default=None, help="TRL steps (default: --steps; --quick 4)")
+    import rollout
+
+    rollout_parser = argparse.ArgumentParser(add_help=False)
+    rollout.add_args(rollout_parser)
+    args = p.parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    for s in sections:
+        if s not in SECTIONS:
+            p.error(f"--sections: unknown section {s!r}; choose from {', '.join(SECTIONS)}")
+    names = args.variants.split(";") if args.variants else (QUICK_VARIANTS if args.quick else list(GRPO_VARIANTS))
+    names = [n.strip() for n in names if n.strip()]
+    if not args.variants and not args.quick and not rollout.has_suffix():
+        names.remove("suffix k=3")
+    for n in names:
+        if n not in GRPO_VARIANTS:
+            p.error(f"--variants: unknown variant {n!r}; choose from {'; '.join(GRPO_VARIANTS)}")
+    if ("peer" in sections or "staleness" in sections) and "grpo" not in sections:
+        names = [n for n in names if n in ("grpo_base", "grpo_spec")]  # the rows the peer table compares against
+        sections = ["grpo", *sections]
+    steps = args.steps or (5 if args.quick else 60)
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--seeds: {args.seeds!r} is not a comma-separated list of integers, e.g. --seeds 0,1")
+    if not seeds:
+        p.error("--seeds: give at least one seed, e.g. --seeds 0")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    t_start = time.time()
+    head = header()
+    log(f"benchmark: {head}")
+    from rl_specdec.toy.build import build_toy_models
+
+    build_toy_models(log=log)  # once, before anything is timed
+    report = [f"# rl_specdec benchmark{' (--quick)' if args.quick else ''}", "", f"_{head}_", ""]
+    results: dict = {"header": head, "quick": args.quick}
+
+    def emit(title: str, body: str, image: str | None = None) -> None:
+        print(f"\n### {title}\n\n{body}", flush=True)
+        report.extend([f"## {title}", "", body, ""] + ([f"![{title}]({image})", ""] if image else []))
+
+    if "rollout" in sections:
+        log("[rollout] one engine per (method, k)")
+        ra = rollout_parser.parse_args(["--out", str(out)] + (["--quick"] if args.quick else []))
+        rollout.finish_args(ra)
+        saved = out / "rollout.json"
+        reuse = args.resume and saved.exists() and json.loads(saved.read_text()).get("quick", False) == args.quick
+        if args.report_only or reuse:
+            res = json.loads(saved.read_text())
+            log(f"  reusing {saved}" if reuse else f"  reading {saved}")
+            rollout.plot_methods(res["methods"], out / "rollout.png")
+        else:
+            res = rollout.run(ra, print_tables=False)
+        results["rollout"] = res
+        if not rollout.has_suffix():
+            report += ["_suffix skipped: arctic-inference is not installed (bash scripts/install_arctic_inference.sh)._", ""]
+        emit("Rollout throughput (one engine, all cores)", rollout.method_table(res["methods"]), "rollout.png")
+
+    runs: dict[str, dict[int, list[dict]]] = {}  # variant -> seed -> metrics rows
+    if "grpo" in sections:
+        log(f"[grpo] {len(names)} variants x {len(seeds)} seed(s) x {steps} steps")
+        jobs = [(sd, n) for sd in seeds for n in names]  # seed-major: a stopped benchmark has whole seeds
+        for i, (sd, n) in enumerate(jobs, 1):
+            log(f"[grpo {i}/{len(jobs)}]")
+            config, overrides = GRPO_VARIANTS[n]
+            try:
+                rows = load_rows(run_dir(out, n, sd)) if args.report_only else run_grpo(n, config, overrides, steps, out, args.quick, sd, args.resume)
+                runs.setdefault(n, {})[sd] = rows
+            except (RuntimeError, FileNotFoundError) as e:  # one broken variant must not lose the others' numbers
+                log(f"  SKIPPED {n}, seed {sd}: {e}")
+                results.setdefault("failed", {})[f"{n}, seed {sd}"] = str(e)
+        stats = {n: combine_seeds({sd: step_stats(r) for sd, r in per.items()}) for n, per in runs.items()}
+        first = {n: per[min(per)] for n, per in runs.items()}  # one seed's rows for the per-step plots
+        results["grpo"] = {"steps": steps, "seeds": seeds, "stats": stats, "variants": {n: GRPO_VARIANTS[n] for n in names}}
+        plot_grpo(first, stats, out / "grpo_steps.png")
+        plot_tail(first, stats, out / "long_tail.png")
+        seed_note = f", mean of seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f", seed {seeds[0]}"
+        emit(f"GRPO step time ({steps} steps, default run{seed_note})", grpo_table(stats), "grpo_steps.png")
+        emit("Per-phase share of step time", phase_table(stats))
+        emit("The long tail (mean over steps)", tail_table(stats), "long_tail.png")
+        if "grpo_base" in stats:
+            verdict = verdict_text(stats)
+            results["grpo"]["verdict"] = verdict
+            emit("Verdict", verdict)
+
+    if "staleness" in sections:
+        if args.quick:
+            srows = runs["grpo_spec"][seeds[0]]
+        elif args.report_only:
+            srows = load_rows(run_dir(out, "grpo_spec long", seeds[0]))
+        else:
+            log(f"[staleness] grpo_spec for {args.staleness_steps} steps")
+            srows = run_grpo("grpo_spec long", *GRPO_VARIANTS["grpo_spec"], args.staleness_steps, out, False, seeds[0], args.resume)
+        results["staleness"] = srows
+        plot_staleness(srows, out / "staleness.png")
+        emit(f"Drafter staleness ({len(srows)} steps, drafter frozen)", staleness_table(srows), "staleness.png")
+
+    if "peer" in sections:
+        peer_steps = args.peer_steps or (4 if args.quick else steps)
+        log(f"[peer] TRL GRPOTrainer, {peer_steps} steps")
+        cmd = [sys.executable, str(REPO / "benchmarks/peer_trl.py"), "--config", str(REPO / "configs/grpo_base.yaml"), "--steps", str(peer_steps), "--out", str(out)]
+        if args.report_only:
+            rc = 0
+        else:
+            with open(out / "peer_trl.log", "w") as fh:
+                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO).returncode
+        if rc != 0:
+            body = f"TRL run failed (rc={rc}); see {out / 'peer_trl.log'}. Is trl installed? (pip install -e '.[bench]')"
+        else:
+            trl = json.loads((out / "peer_trl.json").read_text())
+            results["peer"] = trl
+            body = peer_table(trl, results.get("grpo", {}).get("stats", {}))
+        emit("Peer: TRL GRPOTrainer on the same task, model and batch", body)
+
+    (out / "report.md").write_text("\n".join(report) + "\n")
+    (out / "bench.json").write_text(json.dumps(results, indent=1, default=str))
+    log(f"done in {time.time() - t_start:.0f}s; report: {out / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
