@@ -14,7 +14,7 @@ rollout
     (``benchmarks/rollout.py``).
 grpo
     The default GRPO run (``examples/run_grpo.py``) under each variant: grpo_base
-    (no speculation), grpo_spec (draft_model, k=3) and the variants in
+    (no speculation), grpo_spec (its speculative_config) and the variants in
     ``GRPO_VARIANTS`` (other k, the batch-size schedule, ngram, suffix, two
     engines). Same prompts and step count; every variant runs once per seed in
     ``--seeds`` and the tables give the mean and each seed (step time on 2 CPU
@@ -38,6 +38,7 @@ machine meanwhile; the report prints the load average.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -106,16 +107,34 @@ def load_rows(log_dir: Path) -> list[dict]:
     return [r for r in rows if r["step"] >= 1]
 
 
+def spec_label(config: str, overrides: list[str]) -> str:
+    """What a variant speculates with, read from its effective config: "none",
+    "draft_model k=3", "draft_model k by batch 1-16:5 17-64:3 65-1024:2", ..."""
+    from rl_specdec.config import load_config
+
+    cfg = load_config(REPO / config, overrides, resolve_models=False)
+    sc = cfg.policy.generation.vllm_kwargs.get("speculative_config")
+    if not sc:
+        return "none"
+    sched = sc.get("num_speculative_tokens_per_batch_size")
+    k = sc.get("num_speculative_tokens", sc.get("prompt_lookup_max"))
+    if sched:
+        return f"{sc['method']} k by batch " + " ".join(f"{lo}-{hi}:{kk}" for lo, hi, kk in sched)
+    return f"{sc['method']} k={k}"
+
+
 def run_grpo(name: str, config: str, overrides: list[str], steps: int, out: Path, quick: bool, seed: int, resume: bool = False) -> list[dict]:
     """One GRPO run in a fresh process; returns its metrics.jsonl rows (step >= 1).
 
-    A finished run leaves ``done.json`` (its config and overrides); with ``resume`` a run
-    whose ``done.json`` matches is read back instead of run again.
+    A finished run leaves ``done.json`` (its arguments and the config file's sha256); with
+    ``resume`` a run whose ``done.json`` matches both is read back instead of run again.
     """
     log_dir = run_dir(out, name, seed)
     args = [config, f"grpo.max_steps={steps}", f"seed={seed}", *COMMON, *(QUICK if quick else []), *overrides]
     done = log_dir / "done.json"
-    if resume and done.exists() and json.loads(done.read_text()).get("args") == args:
+    # the config's content is part of the key: editing the YAML must not reuse old runs
+    key = {"args": args, "config_sha256": hashlib.sha256((REPO / config).read_bytes()).hexdigest()}
+    if resume and done.exists() and {k: json.loads(done.read_text()).get(k) for k in key} == key:
         rows = load_rows(log_dir)
         log(f"  {name}: reusing the finished run in {log_dir} (--resume)")
         return rows
@@ -130,7 +149,7 @@ def run_grpo(name: str, config: str, overrides: list[str], steps: int, out: Path
         tail = (log_dir / "run.log").read_text().splitlines()[-15:]
         raise RuntimeError(f"GRPO run {name!r} failed (rc={rc}); last lines of {log_dir}/run.log:\n" + "\n".join(tail))
     rows = load_rows(log_dir)
-    done.write_text(json.dumps({"args": args, "seconds": round(time.time() - t0, 1)}))
+    done.write_text(json.dumps({**key, "seconds": round(time.time() - t0, 1)}))
     log(f"  {name}: done in {time.time() - t0:.0f}s, median step {step_stats(rows)['step_s']:.2f}s")
     return rows
 
@@ -171,6 +190,25 @@ def combine_seeds(per_seed: dict[int, dict]) -> dict:
     return out
 
 
+def pool_train_time(stats: dict[str, dict]) -> None:
+    """Adds ``step_pooled_s``: the mean step time with the train phase replaced by the
+    mean train phase of every variant with the same engine layout.
+
+    Lossless speculation samples from the same distribution, so the train phase
+    (how many samples have a nonzero advantage, how long they are) costs the same
+    in expectation with or without it; what one run trains still differs from the
+    next by chance, and on this CPU that chance moves step time by ~10%. Pooling
+    keeps the cost speculation can change (generation) and averages out the one it
+    cannot (a control variate).
+    """
+    for two in (False, True):
+        group = [n for n in stats if ("2x1" in n) == two]
+        if group:
+            pooled = statistics.fmean(stats[n]["train_s"] for n in group)
+            for n in group:
+                stats[n]["step_pooled_s"] = stats[n]["step_mean_s"] - stats[n]["train_s"] + pooled
+
+
 def _mean_or_none(rows: list[dict], key: str):
     vals = [r[key] for r in rows if r.get(key) is not None]
     return statistics.fmean(vals) if vals else None
@@ -185,13 +223,13 @@ def grpo_table(stats: dict[str, dict]) -> str:
     base = stats.get("grpo_base", {})
     ratio = lambda s, k: f(s[k] / base[k] if base.get(k) else None, "{:.2f}x")  # noqa: E731
     lines = [
-        "| variant | step (s, median) | per seed | vs grpo_base | generation (s) | per seed | generation vs grpo_base | train (s) | samples trained | refit (s) | validation (s) | gen tokens/s | acceptance length | reward first→last 10% |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | speculation | step (s, median) | per seed | vs grpo_base | step, train pooled (s) | vs grpo_base | generation (s) | per seed | generation vs grpo_base | train (s) | samples trained | refit (s) | validation (s) | gen tokens/s | acceptance length | reward first→last 10% |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     seeds = lambda s, k: ", ".join(f"{x:.2f}" for x in s.get(f"{k}_per_seed", [s[k]]))  # noqa: E731
     for name, s in stats.items():
         lines.append(
-            f"| {name} | {s['step_s']:.2f} | {seeds(s, 'step_s')} | {ratio(s, 'step_s')} | {s['generation_s']:.2f} | {seeds(s, 'generation_s')} | {ratio(s, 'generation_s')} | "
+            f"| {name} | {s.get('speculation', '')} | {s['step_s']:.2f} | {seeds(s, 'step_s')} | {ratio(s, 'step_s')} | {f(s.get('step_pooled_s'))} | {ratio(s, 'step_pooled_s')} | {s['generation_s']:.2f} | {seeds(s, 'generation_s')} | {ratio(s, 'generation_s')} | "
             f"{s['train_s']:.2f} | {s.get('train_samples', 0):.0f} | {s['refit_s']:.2f} | {s['validation_s']:.2f} | {s['gen_tokens_per_s']:.0f} | "
             f"{f(s['acceptance_length'])} | {s['reward_first']:.2f}→{s['reward_last']:.2f} |"
         )
@@ -234,38 +272,48 @@ def staleness_table(rows: list[dict], buckets: int = 10) -> str:
 
 
 def peer_table(trl: dict, stats: dict[str, dict]) -> str:
-    lines = ["| trainer | generation | step (s, median) | rollout (s, median) | rollout tokens/s | steps |", "|---|---|---|---|---|---|"]
+    lines = ["| trainer | generation | step (s, median) | rollout (s, mean) | rollout tokens/s | steps measured |", "|---|---|---|---|---|---|"]
     for name in ("grpo_base", "grpo_spec"):
         if name in stats:
             s = stats[name]
-            lines.append(f"| rl_specdec {name} | vLLM engine (Ray actor){' + draft_model k=3' if name == 'grpo_spec' else ''} | {s['step_s']:.2f} | {s['generation_s']:.2f} | {s['gen_tokens_per_s']:.0f} | {s['steps']} |")
+            lines.append(f"| rl_specdec {name} | vLLM engine (Ray actor){' + ' + s['speculation'] if s.get('speculation', 'none') != 'none' else ''} | {s['step_s']:.2f} | {s['generation_s']:.2f} | {s['gen_tokens_per_s']:.0f} | {s['steps']:.0f}{' x ' + str(len(s['seeds'])) + ' seeds' if len(s.get('seeds', [])) > 1 else ''} |")
     t = trl["summary"]
     lines.append(f"| TRL {t['trl_version']} GRPOTrainer | {t['generation']} | {t['step_s']:.2f} | {t['generate_s']:.2f} | {t['rollout_tokens_per_s']:.0f} | {t['steps_measured']} |")
     return "\n".join(lines)
 
 
 def verdict_text(stats: dict[str, dict]) -> str:
-    """Fastest variant by step time and by generation time; the schedule against the best fixed k."""
-    base = stats["grpo_base"]
-    spec = {n: s for n, s in stats.items() if "base" not in n}
-    by_step = min(stats, key=lambda n: stats[n]["step_s"])
-    by_gen = min(stats, key=lambda n: stats[n]["generation_s"])
-    out = [
-        f"Fastest step: **{by_step}**, {stats[by_step]['step_s']:.2f} s ({stats[by_step]['step_s'] / base['step_s']:.2f}x grpo_base).",
-        f"Fastest generation phase: **{by_gen}**, {stats[by_gen]['generation_s']:.2f} s ({stats[by_gen]['generation_s'] / base['generation_s']:.2f}x grpo_base).",
-    ]
-    if spec:
-        best = min(spec, key=lambda n: spec[n]["step_s"])
-        out.append(f"Fastest with speculation: **{best}**, {spec[best]['step_s'] / base['step_s']:.2f}x grpo_base's step time.")
-    sched = {n: s for n, s in spec.items() if "schedule" in n or "tail-only" in n}
-    fixed = {n: s for n, s in spec.items() if n.startswith("draft k=") or n == "grpo_spec"}
+    """Each variant against the grpo_base with the same engine layout; the best
+    speculative variant; a batch-size schedule against the best fixed k."""
+
+    def base_of(n: str) -> dict:
+        return stats.get("grpo_base 2x1", stats["grpo_base"]) if "2x1" in n else stats["grpo_base"]
+
+    def ratio(n: str, k: str = "step_s") -> str:
+        return f"{stats[n][k] / base_of(n)[k]:.2f}x {'grpo_base 2x1' if base_of(n) is not stats['grpo_base'] else 'grpo_base'}"
+
+    spec = {n: s for n, s in stats.items() if s.get("speculation", "none") != "none"}
+    out = []
+    for label, group in (("one engine", {n: s for n, s in spec.items() if "2x1" not in n}), ("two engines", {n: s for n, s in spec.items() if "2x1" in n})):
+        if group:
+            best = min(group, key=lambda n: group[n]["step_s"])
+            out.append(
+                f"Fastest speculative variant, {label}: **{best}** ({group[best]['speculation']}), {group[best]['step_s']:.2f} s/step = "
+                f"{ratio(best)}; train pooled {group[best]['step_pooled_s']:.2f} s = {ratio(best, 'step_pooled_s')}; "
+                f"generation phase {group[best]['generation_s']:.2f} s = {ratio(best, 'generation_s')}."
+            )
+    one = {n: s for n, s in spec.items() if "2x1" not in n and s["speculation"].startswith("draft_model")}
+    sched = {n: s for n, s in one.items() if "k by batch" in s["speculation"]}
+    fixed = {n: s for n, s in one.items() if "k by batch" not in s["speculation"]}
     if sched and fixed:
         bf = min(fixed, key=lambda n: fixed[n]["step_s"])
         bs = min(sched, key=lambda n: sched[n]["step_s"])
-        won = sched[bs]["step_s"] < fixed[bf]["step_s"]
+        won = [sched[bs][k] < fixed[bf][k] for k in ("step_s", "step_pooled_s")]
         out.append(
             f"Batch-size schedule ({bs}) vs the best fixed k ({bf}): {sched[bs]['step_s']:.2f} vs {fixed[bf]['step_s']:.2f} s/step, "
-            f"generation {sched[bs]['generation_s']:.2f} vs {fixed[bf]['generation_s']:.2f} s ({'the schedule wins' if won else 'fixed k wins'})."
+            f"train pooled {sched[bs]['step_pooled_s']:.2f} vs {fixed[bf]['step_pooled_s']:.2f} s, "
+            f"generation {sched[bs]['generation_s']:.2f} vs {fixed[bf]['generation_s']:.2f} s "
+            f"({'the schedule wins' if all(won) else 'fixed k wins' if not any(won) else 'no clear winner'})."
         )
     return " ".join(out)
 
@@ -348,8 +396,15 @@ def plot_staleness(rows: list[dict], path: Path) -> None:
     ax2.set_ylabel("acceptance length (10-step mean)", color="r")
     axes[0].legend(fontsize=7)
     kl = [r.get("train/kl") for r in rows]
-    axes[1].plot(steps, kl, ".", ms=3, alpha=0.5, label="per step")
-    axes[1].plot(steps, _rolling(kl, 10), "-", label="10-step mean")
+    # the k3 KL estimate on sampled tokens is heavy-tailed: a rolling median, and the
+    # axis cut at the 98th percentile (the few steps above it are noted in the legend)
+    shown = sorted(x for x in kl if x is not None)
+    top = shown[int(0.98 * (len(shown) - 1))] * 1.3 if shown else None
+    above = sum(1 for x in shown if top is not None and x > top)
+    axes[1].plot(steps, kl, ".", ms=3, alpha=0.5, label="per step" + (f" ({above} above the axis)" if above else ""))
+    axes[1].plot(steps, _rolling(kl, 10, statistics.median), "-", label="10-step median")
+    if top:
+        axes[1].set_ylim(0, top)
     axes[1].legend(fontsize=7)
     axes[1].set(xlabel="step", ylabel="KL(policy || start)", title="policy drift")
     for ax in axes:
@@ -359,11 +414,11 @@ def plot_staleness(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _rolling(xs: list, w: int) -> list:
+def _rolling(xs: list, w: int, stat=statistics.fmean) -> list:
     out = []
     for i in range(len(xs)):
         win = [x for x in xs[max(0, i - w + 1) : i + 1] if x is not None]
-        out.append(statistics.fmean(win) if win else None)
+        out.append(stat(win) if win else None)
     return out
 
 
@@ -396,6 +451,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0", help="comma-separated seeds; every GRPO variant runs once per seed and the tables give the mean and each seed (full results: 0,1)")
     p.add_argument("--staleness-steps", type=int, default=200, help="length of the staleness run (--quick: reuses grpo_spec)")
     p.add_argument("--peer-steps", type=int, default=None, help="TRL steps (default: --steps; --quick 4)")
+    import peer_trl
     import rollout
 
     rollout_parser = argparse.ArgumentParser(add_help=False)
@@ -453,7 +509,8 @@ def main(argv=None) -> int:
         results["rollout"] = res
         if not rollout.has_suffix():
             report += ["_suffix skipped: arctic-inference is not installed (bash scripts/install_arctic_inference.sh)._", ""]
-        emit("Rollout throughput (one engine, all cores)", rollout.method_table(res["methods"]), "rollout.png")
+        emit("Rollout speed-up over no speculation (one engine, all cores)", rollout.speedup_table(res["methods"]), "rollout.png")
+        emit("Rollout throughput, every cell", rollout.method_table(res["methods"]))
 
     runs: dict[str, dict[int, list[dict]]] = {}  # variant -> seed -> metrics rows
     if "grpo" in sections:
@@ -469,6 +526,9 @@ def main(argv=None) -> int:
                 log(f"  SKIPPED {n}, seed {sd}: {e}")
                 results.setdefault("failed", {})[f"{n}, seed {sd}"] = str(e)
         stats = {n: combine_seeds({sd: step_stats(r) for sd, r in per.items()}) for n, per in runs.items()}
+        for n in stats:
+            stats[n]["speculation"] = spec_label(*GRPO_VARIANTS[n])
+        pool_train_time(stats)
         first = {n: per[min(per)] for n, per in runs.items()}  # one seed's rows for the per-step plots
         results["grpo"] = {"steps": steps, "seeds": seeds, "stats": stats, "variants": {n: GRPO_VARIANTS[n] for n in names}}
         plot_grpo(first, stats, out / "grpo_steps.png")
@@ -498,8 +558,11 @@ def main(argv=None) -> int:
         peer_steps = args.peer_steps or (4 if args.quick else steps)
         log(f"[peer] TRL GRPOTrainer, {peer_steps} steps")
         cmd = [sys.executable, str(REPO / "benchmarks/peer_trl.py"), "--config", str(REPO / "configs/grpo_base.yaml"), "--steps", str(peer_steps), "--out", str(out)]
-        if args.report_only:
+        saved = out / "peer_trl.json"
+        reuse = args.resume and saved.exists() and json.loads(saved.read_text())["summary"].get("steps") == peer_steps
+        if args.report_only or reuse:
             rc = 0
+            log(f"  reusing {saved}" if reuse else f"  reading {saved}")
         else:
             with open(out / "peer_trl.log", "w") as fh:
                 rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO).returncode
@@ -507,6 +570,7 @@ def main(argv=None) -> int:
             body = f"TRL run failed (rc={rc}); see {out / 'peer_trl.log'}. Is trl installed? (pip install -e '.[bench]')"
         else:
             trl = json.loads((out / "peer_trl.json").read_text())
+            trl["summary"].update(peer_trl.summarize(trl["rows"]))  # the current definitions, also for older files
             results["peer"] = trl
             body = peer_table(trl, results.get("grpo", {}).get("stats", {}))
         emit("Peer: TRL GRPOTrainer on the same task, model and batch", body)

@@ -136,12 +136,13 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print) -> dict:
 
 
 def summarize(rows: list[dict], skip_first: int = 1) -> dict:
-    """Median step and rollout time, rollout tokens/s (total tokens / total rollout time); skips warm-up steps."""
+    """Median step time, mean rollout time (as bench.py reports rl_specdec's), rollout
+    tokens/s (total tokens / total rollout time); skips warm-up steps."""
     rs = rows[skip_first:] or rows
     gen = sum(r["generate_s"] for r in rs)
     return {
         "step_s": statistics.median(r["step_s"] for r in rs),
-        "generate_s": statistics.median(r["generate_s"] for r in rs),
+        "generate_s": statistics.fmean(r["generate_s"] for r in rs),
         "rollout_tokens_per_s": sum(r["tokens"] for r in rs) / gen if gen > 0 else float("nan"),
         "steps_measured": len(rs),
     }

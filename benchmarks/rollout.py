@@ -161,6 +161,30 @@ def method_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def speedup_table(rows: list[dict]) -> str:
+    """The same runs as ``method_table`` at a glance: one row per (method, k), one
+    column per (temperature, batch); each cell is tokens/s over no speculation."""
+    base = {(r["temperature"], r["batch"]): r["tok_per_s"] for r in rows if r["method"] == "none"}
+    cols = sorted(base)
+    keyed = {}
+    for r in rows:
+        if r["method"] != "none":
+            k = "sched" if r["method"] == "draft_model_schedule" else r.get("k")
+            keyed.setdefault((METHODS.index(r["method"]), str(k), r["method"]), {})[(r["temperature"], r["batch"])] = r
+    lines = [
+        "| method | k | " + " | ".join(f"T={t:g} b={b}" for t, b in cols) + " | acceptance length (T=1, b=64) |",
+        "|---|---|" + "---|" * (len(cols) + 1),
+    ]
+    for (_, k, method), cells in sorted(keyed.items()):
+        acc = cells.get((1.0, 64), {}).get("acceptance_length")
+        lines.append(
+            f"| {method} | {k} | "
+            + " | ".join(fmt(cells[c]["tok_per_s"] / base[c] if c in cells and base[c] else None, "{:.2f}x") for c in cols)
+            + f" | {fmt(acc, '{:.2f}')} |"
+        )
+    return "\n".join(lines)
+
+
 def engines_table(rows: list[dict]) -> str:
     base = {(r["method"], r["temperature"]): r["tok_per_s"] for r in rows if r["engines"] == 1}
     lines = [
@@ -376,11 +400,14 @@ def run(args, print_tables: bool = True) -> dict:
     try:
         if not args.engines_only:
             results["methods"] = run_methods(args, models, tok, cores)
-            table = method_table(results["methods"])
+            glance, table = speedup_table(results["methods"]), method_table(results["methods"])
             if print_tables:
+                print("\n### Rollout speed-up over no speculation, one engine on all cores\n")
+                print(glance)
                 print("\n### Rollout throughput, one engine on all cores\n")
                 print(table, flush=True)
-            md += ["### Rollout throughput, one engine on all cores", "", table, "", "![rollout throughput](rollout.png)", ""]
+            md += ["### Rollout speed-up over no speculation, one engine on all cores", "", glance, "", "![rollout throughput](rollout.png)", ""]
+            md += ["### Rollout throughput, one engine on all cores", "", table, ""]
             plot_methods(results["methods"], out_dir / "rollout.png")
         if args.engines or args.engines_only:
             results["engines"] = run_engines(args, models, tok, cores)
