@@ -58,18 +58,18 @@ def uninterrupted(tmp_path_factory):
 
 def test_metrics_jsonl_has_every_key_finite(uninterrupted):
     # k: the most tokens a draft can have (with a batch-size schedule, the largest k in it)
-    k = load_config(ROOT / "configs/grpo_spec.yaml", SMALL).policy.generation.vllm_kwargs["speculative_config"]["num_speculative_tokens"]
+    max_k = load_config(ROOT / "configs/grpo_spec.yaml", SMALL).policy.generation.vllm_kwargs["speculative_config"]["num_speculative_tokens"]
     rows = _rows(uninterrupted)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         for k in REQUIRED:
             assert k in r and r[k] is not None and math.isfinite(r[k]), (r["step"], k)
         assert 0.0 <= r["spec_decode/acceptance_rate"] <= 1.0
-        assert 1.0 <= r["spec_decode/acceptance_length"] <= k + 1
+        assert 1.0 <= r["spec_decode/acceptance_length"] <= max_k + 1
         assert r["spec_decode/num_drafts"] > 0
-        for i in range(1, k + 1):
+        for i in range(1, max_k + 1):
             assert 0.0 <= r[f"spec_decode/acceptance_rate_pos_{i}"] <= 1.0
-        assert f"spec_decode/acceptance_rate_pos_{k + 1}" not in r
+        assert f"spec_decode/acceptance_rate_pos_{max_k + 1}" not in r
         assert r["train/logprob_mismatch"] < MISMATCH_THRESHOLD
         # the long tail: when 50/90/100% of the step's rollouts were done, inside the generation phase
         d50, d90, d100 = (r[f"generation/time_to_{p}pct_done"] for p in (50, 90, 100))
