@@ -508,6 +508,7 @@ def main(argv=None) -> int:
             res = rollout.run(ra, print_tables=False)
         results["rollout"] = res
         if not rollout.has_suffix():
+            log("  suffix skipped: arctic-inference is not installed (bash scripts/install_arctic_inference.sh)")
             report += ["_suffix skipped: arctic-inference is not installed (bash scripts/install_arctic_inference.sh)._", ""]
         emit("Rollout speed-up over no speculation (one engine, all cores)", rollout.speedup_table(res["methods"]), "rollout.png")
         emit("Rollout throughput, every cell", rollout.method_table(res["methods"]))
