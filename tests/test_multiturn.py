@@ -113,6 +113,10 @@ def test_iter_generate_covers_every_prompt_once(srv, task_prompts):
     assert sorted(got) == list(range(6))
     batch = srv.generate(task_prompts[:6], GREEDY)
     assert [got[i]["token_ids"] for i in range(6)] == batch.token_ids
+    # the long tail: each sample's finish time as it streamed back, inside its engine's call
+    assert len(batch.finish_time_s) == 6
+    assert all(0.0 < t <= max(batch.per_engine_time_s) for t in batch.finish_time_s), batch.finish_time_s
+    assert min(batch.finish_time_s) < max(batch.finish_time_s)  # shorter answers came back first
 
 
 # ---- the HTTP server ------------------------------------------------------------------------------
