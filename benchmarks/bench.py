@@ -50,6 +50,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
+import peer_trl  # noqa: E402  (the benchmarks folder is not a package)
+import rollout  # noqa: E402
+from rollout import fmt, log  # noqa: E402
 
 SPEC = "policy.generation.vllm_kwargs.speculative_config"
 SECTIONS = ("rollout", "grpo", "staleness", "peer")
@@ -90,10 +93,6 @@ COMMON = ["logger.wandb.enabled=false", "checkpoint.enabled=false", "logger.prog
 # --quick: skip what only costs start-up time (the sampling self-check, validation, torch.compile)
 QUICK = ["policy.generation.self_check=false", "grpo.val_every=0", "policy.generation.vllm_kwargs.enforce_eager=true"]
 PHASES = ("generation", "train", "refit", "validation", "reward", "prompts")
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # ---- running ------------------------------------------------------------------------
@@ -215,13 +214,9 @@ def _mean_or_none(rows: list[dict], key: str):
 
 
 # ---- tables -----------------------------------------------------------------------
-def f(x, spec="{:.2f}") -> str:
-    return "-" if x is None else spec.format(x)
-
-
 def grpo_table(stats: dict[str, dict]) -> str:
     base = stats.get("grpo_base", {})
-    ratio = lambda s, k: f(s[k] / base[k] if base.get(k) else None, "{:.2f}x")  # noqa: E731
+    ratio = lambda s, k: fmt(s[k] / base[k] if base.get(k) else None, "{:.2f}x")  # noqa: E731
     lines = [
         "| variant | speculation | step (s, median) | per seed | vs grpo_base | step, train pooled (s) | vs grpo_base | generation (s) | per seed | generation vs grpo_base | train (s) | samples trained | refit (s) | validation (s) | gen tokens/s | acceptance length | reward first→last 10% |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -229,9 +224,9 @@ def grpo_table(stats: dict[str, dict]) -> str:
     seeds = lambda s, k: ", ".join(f"{x:.2f}" for x in s.get(f"{k}_per_seed", [s[k]]))  # noqa: E731
     for name, s in stats.items():
         lines.append(
-            f"| {name} | {s.get('speculation', '')} | {s['step_s']:.2f} | {seeds(s, 'step_s')} | {ratio(s, 'step_s')} | {f(s.get('step_pooled_s'))} | {ratio(s, 'step_pooled_s')} | {s['generation_s']:.2f} | {seeds(s, 'generation_s')} | {ratio(s, 'generation_s')} | "
+            f"| {name} | {s.get('speculation', '')} | {s['step_s']:.2f} | {seeds(s, 'step_s')} | {ratio(s, 'step_s')} | {fmt(s.get('step_pooled_s'), '{:.2f}')} | {ratio(s, 'step_pooled_s')} | {s['generation_s']:.2f} | {seeds(s, 'generation_s')} | {ratio(s, 'generation_s')} | "
             f"{s['train_s']:.2f} | {s.get('train_samples', 0):.0f} | {s['refit_s']:.2f} | {s['validation_s']:.2f} | {s['gen_tokens_per_s']:.0f} | "
-            f"{f(s['acceptance_length'])} | {s['reward_first']:.2f}→{s['reward_last']:.2f} |"
+            f"{fmt(s['acceptance_length'], '{:.2f}')} | {s['reward_first']:.2f}→{s['reward_last']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -252,7 +247,7 @@ def tail_table(stats: dict[str, dict]) -> str:
     ]
     for name, s in stats.items():
         d50, d90, d100 = s["done50_s"], s["done90_s"], s["done100_s"]
-        lines.append(f"| {name} | {f(d50)} | {f(d90)} | {f(d100)} | {f(d100 / d50 if d50 and d100 else None, '{:.1f}x')} | {s['generation_s']:.2f} |")
+        lines.append(f"| {name} | {fmt(d50, '{:.2f}')} | {fmt(d90, '{:.2f}')} | {fmt(d100, '{:.2f}')} | {fmt(d100 / d50 if d50 and d100 else None, '{:.1f}x')} | {s['generation_s']:.2f} |")
     return "\n".join(lines)
 
 
@@ -263,10 +258,10 @@ def staleness_table(rows: list[dict], buckets: int = 10) -> str:
     for i in range(0, n, size):
         b = rows[i : i + size]
         lines.append(
-            f"| {b[0]['step']}–{b[-1]['step']} | {f(_mean_or_none(b, 'spec_decode/acceptance_rate'), '{:.3f}')} | "
-            f"{f(_mean_or_none(b, 'spec_decode/acceptance_rate_pos_1'), '{:.3f}')} | "
-            f"{f(_mean_or_none(b, 'spec_decode/acceptance_length'), '{:.3f}')} | {f(_mean_or_none(b, 'train/kl'), '{:.4f}')} | "
-            f"{f(_mean_or_none(b, 'train/reward_mean'))} |"
+            f"| {b[0]['step']}–{b[-1]['step']} | {fmt(_mean_or_none(b, 'spec_decode/acceptance_rate'), '{:.3f}')} | "
+            f"{fmt(_mean_or_none(b, 'spec_decode/acceptance_rate_pos_1'), '{:.3f}')} | "
+            f"{fmt(_mean_or_none(b, 'spec_decode/acceptance_length'), '{:.3f}')} | {fmt(_mean_or_none(b, 'train/kl'), '{:.4f}')} | "
+            f"{fmt(_mean_or_none(b, 'train/reward_mean'), '{:.2f}')} |"
         )
     return "\n".join(lines)
 
@@ -427,15 +422,12 @@ def header() -> str:
     import torch
     import vllm
 
-    cores = len(os.sched_getaffinity(0))
-    load = os.getloadavg()[0]
+    cores, load = rollout.cores_and_load()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    if load > 0.5 * cores:
-        log(f"WARNING: load average {load:.2f} on {cores} cores: another job is running, every timing will be off")
     return f"{cpu}, {cores} cores, {mem:.0f} GiB; vLLM {vllm.__version__}, torch {torch.__version__}; load average at start {load:.2f}"
 
 
@@ -451,9 +443,6 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0", help="comma-separated seeds; every GRPO variant runs once per seed and the tables give the mean and each seed (full results: 0,1)")
     p.add_argument("--staleness-steps", type=int, default=200, help="length of the staleness run (--quick: reuses grpo_spec)")
     p.add_argument("--peer-steps", type=int, default=None, help="TRL steps (default: --steps; --quick 4)")
-    import peer_trl
-    import rollout
-
     rollout_parser = argparse.ArgumentParser(add_help=False)
     rollout.add_args(rollout_parser)
     args = p.parse_args(argv)

@@ -272,18 +272,30 @@ def finish_args(args: argparse.Namespace) -> None:
         raise ValueError("method suffix needs the arctic-inference package: bash scripts/install_arctic_inference.sh")
 
 
+_warned_load = False
+
+
+def cores_and_load() -> tuple[int, float]:
+    """Usable cores and the 1-minute load average; warns (once per process) when
+    another job is running, because every timing would be off."""
+    global _warned_load
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    if load > 0.5 * cores and not _warned_load:
+        log(f"WARNING: load average {load:.2f} on {cores} cores: another job is running, numbers will be noisy")
+        _warned_load = True
+    return cores, load
+
+
 def machine_header(args) -> tuple[str, int]:
     import vllm
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    cores, load = cores_and_load()
     header = (
         f"rollout benchmark: toy policy/drafter, vLLM {vllm.__version__}, {platform.machine()} {cores} cores, "
         f"dtype {args.dtype}, {'eager' if args.eager else 'torch.compile'}, max_tokens {args.max_tokens}, "
         f"{args.repeats} timed call(s) per cell after 1 warm-up call per engine, load average at start {load:.2f}"
     )
-    if load > 0.5 * cores:
-        log(f"WARNING: load average {load:.2f} on {cores} cores: another job is running, numbers will be noisy")
     return header, cores
 
 
