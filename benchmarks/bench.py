@@ -48,11 +48,11 @@ import sys
 import time
 from pathlib import Path
 
+import peer_trl  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
+import rollout
+from rollout import fmt, log
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-import peer_trl  # noqa: E402  (the benchmarks folder is not a package)
-import rollout  # noqa: E402
-from rollout import fmt, log  # noqa: E402
 
 SPEC = "policy.generation.vllm_kwargs.speculative_config"
 SECTIONS = ("rollout", "grpo", "staleness", "peer")

@@ -90,11 +90,10 @@ def task_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
 
 def start(models, method: str, args, num_engines: int, cpus_per_engine: int, k: int | None = None):
     from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
-    from rl_specdec.generation.vllm_generation import VllmGeneration
+    from rl_specdec.generation.group import VllmGeneration
+    from rl_specdec.toy.presets import toy_engine_kwargs
 
-    kw = {"kv_cache_memory_bytes": 2**28, "max_model_len": 128, "dtype": args.dtype}
-    if args.eager:
-        kw["enforce_eager"] = True
+    kw = toy_engine_kwargs(dtype=args.dtype, enforce_eager=bool(args.eager))
     k = args.k if k is None else k
     kw = validate_vllm_kwargs({**kw, "speculative_config": spec_for(method, str(models.drafter), k, args.schedule)}, str(models.policy))
     cfg = GenerationConfig(num_engines=num_engines, cpus_per_engine=cpus_per_engine, vllm_kwargs=kw, self_check=False)
@@ -110,17 +109,17 @@ def timed_calls(g, batches: list[list[list[int]]], sampling) -> dict:
     Repeats use different prompt batches (the same ones for every method), so a
     batch of 1 is not one lucky or unlucky prompt.
     """
-    from rl_specdec.spec_decode import compute_spec_decode_metrics, read_spec_counters
+    from rl_specdec.spec_decode import aggregate_spec_decode_counters, compute_spec_decode_metrics
 
-    before = read_spec_counters(g)
-    times, tokens = [], []
+    times, tokens, counters = [], [], []
     for r, prompts in enumerate(batches):
         s = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + 1000 * r)
         t0 = time.perf_counter()
         out = g.generate(prompts, s)
         times.append(time.perf_counter() - t0)
         tokens.append(sum(len(t) for t in out.token_ids))
-    m = compute_spec_decode_metrics(before, read_spec_counters(g))
+        counters.append(out.spec_counters)
+    m = compute_spec_decode_metrics(None, aggregate_spec_decode_counters(counters))
     t = statistics.median(times)
     return {
         "time_s": t,
@@ -279,7 +278,9 @@ def cores_and_load() -> tuple[int, float]:
     """Usable cores and the 1-minute load average; warns (once per process) when
     another job is running, because every timing would be off."""
     global _warned_load
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from rl_specdec.toy.presets import usable_cores
+
+    cores = usable_cores()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     if load > 0.5 * cores and not _warned_load:
         log(f"WARNING: load average {load:.2f} on {cores} cores: another job is running, numbers will be noisy")

@@ -105,24 +105,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from rl_specdec.environments.sorting import SortingTask
     from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
-    from rl_specdec.generation.async_worker import AsyncVllmGeneration
-    from rl_specdec.generation.server import TOY_CHAT_TEMPLATE
-    from rl_specdec.spec_decode import compute_spec_decode_metrics, read_spec_counters
+    from rl_specdec.generation.group import AsyncVllmGeneration
+    from rl_specdec.spec_decode import aggregate_spec_decode_counters, compute_spec_decode_metrics
     from rl_specdec.toy.build import build_toy_models
+    from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE, toy_engine_kwargs, usable_cores
 
     toy = build_toy_models()
     prompts = [s.prompt[:-1] for s in SortingTask().make_batch(seed=args.seed + 17, n=64)]  # the template adds "="
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     load0 = os.getloadavg()
     # every engine gets all cores; only one engine works at a time
     ray.init(address="local", num_cpus=cores * len(args.methods), include_dashboard=False, log_to_driver=False)
     engines, cells = {}, {}
     try:
         for method in args.methods:
-            kw = validate_vllm_kwargs(
-                {"kv_cache_memory_bytes": 2**28, "max_model_len": 128, "dtype": "float32", "enforce_eager": True, "speculative_config": spec_for(method, str(toy.drafter))},
-                str(toy.policy),
-            )
+            kw = validate_vllm_kwargs(toy_engine_kwargs(speculative_config=spec_for(method, str(toy.drafter))), str(toy.policy))
             engines[method] = AsyncVllmGeneration(
                 str(toy.policy),
                 GenerationConfig(num_engines=1, cpus_per_engine=cores, vllm_kwargs=kw),
@@ -136,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                 order = args.methods if rep % 2 == 0 else args.methods[::-1]  # alternate, so drifting load hits both
                 for method in order:
                     g = engines[method]
-                    before = read_spec_counters(g)
+                    before = aggregate_spec_decode_counters(g.engine_counters())  # only this level's traffic
                     row = asyncio.run(run_level(urls[method], prompts, c, n, args.max_tokens, args.seed + 1000 * c + rep, args.timeout))
-                    sm = compute_spec_decode_metrics(before, read_spec_counters(g))
+                    sm = compute_spec_decode_metrics(before, aggregate_spec_decode_counters(g.engine_counters()))
                     row.update(method=method, rep=rep, load1=os.getloadavg()[0], acceptance_length=sm.get("spec_decode/acceptance_length"))
                     print(json.dumps({k: v for k, v in row.items() if k != "latencies"}), flush=True)
                     if rep > 0:

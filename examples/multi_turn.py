@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import sys
 import time
@@ -86,28 +85,11 @@ async def rollouts(base_url: str, model: str, episodes: list[tuple[str, str]], g
 # ---- GRPO pieces ---------------------------------------------------------------------------------------
 
 
-def train_batch(trajs: list[dict], advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded tensors in the policy worker's layout; the loss covers every model turn's tokens."""
-    n, t = len(trajs), max(len(x["ids"]) for x in trajs)
-    input_ids = torch.full((n, t), pad_id, dtype=torch.long)  # [N, T]
-    attention_mask = torch.zeros((n, t), dtype=torch.long)  # [N, T]
-    loss_mask = torch.zeros((n, t - 1))  # [N, T-1]
-    gen_logprobs = torch.zeros((n, t - 1))  # [N, T-1]
-    for i, x in enumerate(trajs):
-        input_ids[i, : len(x["ids"])] = torch.tensor(x["ids"])
-        attention_mask[i, : len(x["ids"])] = 1
-        for start, ids, lps in x["turns"]:
-            assert x["ids"][start : start + len(ids)] == ids
-            loss_mask[i, start - 1 : start - 1 + len(ids)] = 1  # position t predicts token t+1
-            gen_logprobs[i, start - 1 : start - 1 + len(ids)] = torch.tensor(lps)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "loss_mask": loss_mask,
-        "gen_logprobs": gen_logprobs,
-        "advantages": advantages.float(),  # [N]
-        "batch_num_tokens": torch.full((n,), float(loss_mask.sum().clamp(min=1))),  # [N]
-    }
+def trajectory(x: dict):
+    """The final sequence, with each model turn's ids and log-probs (the loss covers both turns)."""
+    from rl_specdec.algorithms.batch import Trajectory
+
+    return Trajectory(x["ids"], x["turns"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,13 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from rl_specdec.algorithms import ClippedPGLoss, group_advantages
+    from rl_specdec.algorithms.batch import build_train_batch
     from rl_specdec.environments.sorting import SortingTask
     from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
-    from rl_specdec.generation.async_worker import AsyncVllmGeneration
-    from rl_specdec.generation.server import TOY_CHAT_TEMPLATE
+    from rl_specdec.generation.group import AsyncVllmGeneration
     from rl_specdec.policy import RayPolicy
-    from rl_specdec.spec_decode import compute_spec_decode_metrics, read_spec_counters
+    from rl_specdec.spec_decode import aggregate_spec_decode_counters, compute_spec_decode_metrics
     from rl_specdec.toy.build import build_tokenizer, build_toy_models
+    from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE, toy_engine_kwargs, usable_cores
 
     t0 = time.time()
     toy = build_toy_models()
@@ -142,11 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
         "none": None,
     }[args.spec]
-    kw = validate_vllm_kwargs(
-        {"kv_cache_memory_bytes": 2**28, "max_model_len": 128, "dtype": "float32", "enforce_eager": True, "speculative_config": spec},
-        str(toy.policy),
-    )
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    kw = validate_vllm_kwargs(toy_engine_kwargs(speculative_config=spec), str(toy.policy))
+    cores = usable_cores()
     ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False)
     gen = AsyncVllmGeneration(
         str(toy.policy),
@@ -168,14 +148,14 @@ def main(argv: list[str] | None = None) -> int:
             ts = time.time()
             rng = random.Random(args.seed * 1_000_003 + step)
             episodes = [make_episode(rng, args.len1, args.len2) for _ in range(args.prompts)]
-            before = read_spec_counters(gen)
+            before = aggregate_spec_decode_counters(gen.engine_counters())  # the engine serves only this step
             trajs = asyncio.run(rollouts(base_url, "toy", episodes, args.group, args.max_tokens, seed=args.seed * 7919 + step * 10_007))
-            spec_m = compute_spec_decode_metrics(before, read_spec_counters(gen))
+            spec_m = compute_spec_decode_metrics(before, aggregate_spec_decode_counters(gen.engine_counters()))
             t_gen = time.time() - ts
             scores = [[task.score(*ans) for ans in x["answers"]] for x in trajs]  # [P*G][2 turns]
             rewards = torch.tensor([sum(s.reward for s in sc) / len(sc) for sc in scores])  # [P*G]
             adv = group_advantages(rewards, args.group)  # [P*G]
-            m = policy.train_step(train_batch(trajs, adv, tok.pad_token_id), loss_fn)
+            m = policy.train_step(build_train_batch([trajectory(x) for x in trajs], adv, tok.pad_token_id), loss_fn)
             gen.update_weights(policy.state_dict_for_refit())
             acc1 = sum(sc[0].correct for sc in scores) / len(scores)
             acc2 = sum(sc[1].correct for sc in scores) / len(scores)

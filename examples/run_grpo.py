@@ -4,6 +4,8 @@
 
 Examples of overrides: grpo.max_steps=5  logger.log_dir=/tmp/run
 policy.generation.vllm_kwargs.speculative_config=null  resume=true
+The console shows a progress bar, validation lines and errors; ``--verbose``
+(or ``logger.level=info``) brings back vLLM's and Ray's logs.
 """
 
 from __future__ import annotations
@@ -13,27 +15,33 @@ import logging
 import sys
 import time
 
-from rl_specdec.config import ConfigError, load_config, to_yaml
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/grpo_spec.yaml")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--verbose", action="store_true", help="show vLLM's and Ray's logs (logger.level=info)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = list(args.overrides) + (["logger.level=info"] if args.verbose else [])
+
+    from rl_specdec.logging import configure_console
+
+    configure_console("info" if args.verbose else "warning")  # before anything imports vLLM
+    from rl_specdec.config import ConfigError, load_config, to_yaml
+
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
         print(to_yaml(cfg))
         return 0
+    configure_console(cfg.logger.level)
 
     from rl_specdec.algorithms.grpo import train
-    from rl_specdec.generation import GenerationEngineDied, SamplingSelfCheckFailed
+    from rl_specdec.errors import GenerationEngineDied, SamplingSelfCheckFailed
 
     t0 = time.time()
     try:

@@ -10,7 +10,11 @@
 4. checks values (ranges, combinations) and the speculative config against
    vLLM's own declarations (:mod:`rl_specdec.generation.spec_config`);
 5. resolves model names: ``toy:policy`` / ``toy:drafter`` are the embedded toy
-   models (built and cached the first time), a local-looking path must exist.
+   models (built and cached the first time), a local-looking path must exist;
+6. resolves ``dtype: auto`` once, for the trainer and the engines together
+   (:func:`resolve_dtype`): here for a local run, and in ``setup`` from the Ray
+   cluster's resources when the run joins a cluster (``cluster.address``),
+   whose workers may have GPUs that the driver lacks.
 
 Everything happens before any Ray actor starts, so a bad config costs seconds.
 ``${...}`` interpolation works as in any OmegaConf file.
@@ -27,16 +31,17 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from rl_specdec.errors import ConfigError
 from rl_specdec.generation.config import ClusterConfig, GenerationConfig
-from rl_specdec.generation.spec_config import ConfigError
 
 TOY_PREFIX = "toy:"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass
 class PolicyConfig:
     model_name: str = "toy:policy"  # "toy:policy", a local HF folder, or a hub id
-    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    dtype: str = "auto"  # auto (bf16 where the run has GPUs, fp32 on CPU) | float32 | bfloat16; engines use the same
     learning_rate: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -81,6 +86,9 @@ class LoggerConfig:
     log_dir: str = "logs/grpo"
     wandb: WandbConfig = field(default_factory=WandbConfig)
     progress_bar: bool = True
+    # vLLM's and Ray's log level on the console (engines included); rl_specdec's own lines
+    # (start-up summary, validation, errors) always show. "info" brings back every engine log.
+    level: str = "warning"
 
 
 @dataclass
@@ -188,6 +196,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     validate(cfg)
     if resolve_models:
         resolve_model_paths(cfg)
+    if cfg.cluster.address is None:  # a local run: this machine is where it trains and generates
+        import torch
+
+        resolve_dtype(cfg, torch.cuda.is_available())
     return cfg
 
 
@@ -231,6 +243,8 @@ def validate(cfg: RunConfig) -> None:
         )
     if not 0 < gen.top_p <= 1:
         raise ConfigError(f"policy.generation.top_p={gen.top_p} must be in (0, 1]")
+    if cfg.logger.level.lower() not in LOG_LEVELS:
+        raise ConfigError(f"logger.level={cfg.logger.level!r} must be one of {', '.join(LOG_LEVELS)}")
     if cfg.logger.wandb.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r} must be offline, online or disabled")
     _positive("checkpoint.every", cfg.checkpoint.every)
@@ -273,19 +287,21 @@ def resolve_model_paths(cfg: RunConfig) -> None:
     spec = kw.get("speculative_config")
     if spec and spec.get("model"):
         spec["model"] = _resolve_one(spec["model"], "policy.generation.vllm_kwargs.speculative_config.model", toy_paths)
-    if "dtype" not in kw or kw["dtype"] in (None, "auto"):
-        # The engine samples in the trainer's precision, so generation and training log-probs agree.
-        kw["dtype"] = policy_torch_dtype(cfg.policy.dtype)
     cfg.policy.generation.vllm_kwargs = validate_vllm_kwargs(kw, cfg.policy.model_name, training=True)
 
 
-def policy_torch_dtype(name: str) -> str:
-    """'auto' is bfloat16 where CUDA is visible, float32 otherwise (CPU)."""
-    if name != "auto":
-        return name
-    import torch
+def resolve_dtype(cfg: RunConfig, has_gpu: bool) -> None:
+    """The one place ``dtype: auto`` is decided, for the trainer and the engines together.
 
-    return "bfloat16" if torch.cuda.is_available() else "float32"
+    ``auto`` is bfloat16 where the run has GPUs and float32 on CPU. The engines
+    sample in the trainer's precision (unless ``vllm_kwargs.dtype`` says
+    otherwise), so generation and training log-probs agree. Idempotent.
+    """
+    if cfg.policy.dtype == "auto":
+        cfg.policy.dtype = "bfloat16" if has_gpu else "float32"
+    kw = cfg.policy.generation.vllm_kwargs
+    if kw.get("dtype") in (None, "auto"):
+        kw["dtype"] = cfg.policy.dtype
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

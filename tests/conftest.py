@@ -7,36 +7,26 @@ and shared by every test of a module; each module tears its engines and its
 Ray instance down at the end, so modules with their own Ray instance (the
 simulated multi-node cluster) can follow.
 
-Engine settings used everywhere on CPU (see /work/shared/notes/vllm-cpu.md):
-
-* ``kv_cache_memory_bytes=2**28`` and ``max_model_len=128`` instead of
-  ``gpu_memory_utilization`` (a fraction of host RAM on CPU);
-* ``dtype=float32``: vLLM otherwise runs a float32 checkpoint in bfloat16 on
-  CPU, and the tests compare with transformers in float32 token for token;
-* ``enforce_eager=True``: skips torch.compile (about 15-40 s per engine here),
-  which the tests do not need.
+Engine settings used everywhere on CPU are the toy presets
+(``rl_specdec.toy.presets.TOY_ENGINE_KWARGS``; why each one, see there and
+docs/speculative_decoding.md).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 
 from rl_specdec.toy.build import build_tokenizer, build_toy_models
+from rl_specdec.toy.presets import TOY_ENGINE_KWARGS, usable_cores
 
-CPU_VLLM_KWARGS: dict[str, Any] = {
-    "kv_cache_memory_bytes": 2**28,
-    "max_model_len": 128,
-    "dtype": "float32",
-    "enforce_eager": True,
-}
+CPU_VLLM_KWARGS: dict[str, Any] = TOY_ENGINE_KWARGS
 # Logical CPUs of the test Ray instance. Each engine reserves a CPU bundle; a
 # 2-core machine would otherwise hold only two engines at a time. Engines take
 # turns (one generate call at a time), so the oversubscription is harmless.
 RAY_TEST_CPUS = 16
-HOST_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+HOST_CORES = usable_cores()
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -136,7 +126,7 @@ def local_ray():
 def start_engine(policy_path, spec: dict[str, Any] | None, *, num_engines: int = 1, cpus_per_engine: int | None = None, env_vars=None, cluster=None, **extra_kwargs):
     """A VllmGeneration on the toy policy, with ``spec`` as its speculative_config."""
     from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
-    from rl_specdec.generation.vllm_generation import VllmGeneration
+    from rl_specdec.generation.group import VllmGeneration
 
     kw = validate_vllm_kwargs({**CPU_VLLM_KWARGS, **extra_kwargs, "speculative_config": spec}, str(policy_path))
     cfg = GenerationConfig(
@@ -168,3 +158,19 @@ def actor_states(class_name: str = "VllmWorker") -> dict[str, str]:
     from ray._private import state
 
     return {aid: info["State"] for aid, info in state.actors().items() if info.get("ActorClassName") == class_name}
+
+
+def assert_failed_start_leaves_nothing(start, class_name: str) -> None:
+    """``start()`` must raise, and leave no live actor of ``class_name`` and no reserved placement group."""
+    import ray
+
+    actors0, pgs0 = set(actor_states(class_name)), set(ray.util.placement_group_table())
+    with pytest.raises(Exception, match="max_model_len"):
+        start()
+    new_pgs = [pg for pid, pg in ray.util.placement_group_table().items() if pid not in pgs0]
+    assert len(new_pgs) == 1 and new_pgs[0]["state"] == "REMOVED", new_pgs
+
+    def new_actors():
+        return {a: s for a, s in actor_states(class_name).items() if a not in actors0}
+
+    assert wait_until(lambda: new_actors() and all(s == "DEAD" for s in new_actors().values())), new_actors()

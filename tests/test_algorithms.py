@@ -8,7 +8,8 @@ import torch
 
 from rl_specdec.algorithms import ClippedPGLoss, group_advantages
 from rl_specdec.algorithms.checkpoint import CheckpointManager
-from rl_specdec.algorithms.grpo import build_train_batch, decode_response
+from rl_specdec.algorithms.batch import Trajectory, build_train_batch
+from rl_specdec.algorithms.grpo import decode_response
 from rl_specdec.environments import SortingTask
 from rl_specdec.generation import GenerationOutput
 
@@ -65,15 +66,29 @@ def test_clipped_pg_loss_clips_and_measures_mismatch():
 
 
 def test_build_train_batch_aligns_response_tokens_and_logprobs():
-    prompts = [[5, 6, 12], [7, 12]]
-    out = GenerationOutput(token_ids=[[2, 1], [3, 4, 1]], logprobs=[[-0.1, -0.2], [-0.3, -0.4, -0.5]], finish_reasons=["stop", "stop"])
-    b = build_train_batch(prompts, out, torch.tensor([1.0, -1.0]), pad_id=0)
+    trajs = [Trajectory.single_turn([5, 6, 12], [2, 1], [-0.1, -0.2]), Trajectory.single_turn([7, 12], [3, 4, 1], [-0.3, -0.4, -0.5])]
+    b = build_train_batch(trajs, torch.tensor([1.0, -1.0]), pad_id=0)
     assert b["input_ids"].tolist() == [[5, 6, 12, 2, 1], [7, 12, 3, 4, 1]]
     assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
     # position t predicts token t+1
     assert b["loss_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
     assert torch.allclose(b["gen_logprobs"], torch.tensor([[0, 0, -0.1, -0.2], [0, -0.3, -0.4, -0.5]]))
     assert b["batch_num_tokens"].tolist() == [5.0, 5.0]
+
+
+def test_build_train_batch_covers_every_model_turn_and_nothing_between():
+    # prompt [5, 12] | turn 1 [2, 1] | user turn [7, 12] | turn 2 [3, 1]
+    t = Trajectory([5, 12, 2, 1, 7, 12, 3, 1], [(2, [2, 1], [-0.1, -0.2]), (6, [3, 1], [-0.3, -0.4])])
+    b = build_train_batch([t], torch.tensor([1.0]), pad_id=0)
+    assert b["loss_mask"].tolist() == [[0, 1, 1, 0, 0, 1, 1]]
+    assert torch.allclose(b["gen_logprobs"], torch.tensor([[0, -0.1, -0.2, 0, 0, -0.3, -0.4]]))
+    assert b["batch_num_tokens"].tolist() == [4.0]
+
+
+def test_a_turn_that_is_not_in_the_sequence_is_refused():
+    bad = Trajectory([5, 12, 2, 1], [(2, [2, 9], [-0.1, -0.2])])  # the model generated 9, the sequence holds 1
+    with pytest.raises(ValueError, match="did not keep the model's own tokens"):
+        build_train_batch([bad], torch.tensor([1.0]), pad_id=0)
 
 
 def test_sorting_task_scores():
@@ -142,7 +157,7 @@ def test_plot_renders_png(tmp_path):
 
 
 def test_select_for_training_drops_zero_advantage_groups():
-    from rl_specdec.algorithms.grpo import select_for_training
+    from rl_specdec.algorithms.batch import select_for_training
 
     adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0]), group_size=2)  # groups: mixed, same, same
     assert select_for_training(adv, skip_zero=True) == [0, 1]

@@ -100,23 +100,23 @@ def test_engine_death_stops_run_and_resume_continues_identically(tmp_path, monke
     import signal
 
     from rl_specdec.algorithms import grpo
-    from rl_specdec.generation import GenerationEngineDied
+    from rl_specdec.errors import GenerationEngineDied
 
     off = "policy.generation.vllm_kwargs.speculative_config=null"
     full, part = tmp_path / "full", tmp_path / "crashed"
     _train(full, "grpo.max_steps=4", off)
 
-    real_step_prompts = grpo.step_prompts
+    real_step = grpo.grpo_step
 
     def kill_engine_at_step_3(run, step):
         if step == 2:  # 0-based: the third step, after the step-2 checkpoint
             os.kill(run.generation.placements[0]["pid"], signal.SIGKILL)
-        return real_step_prompts(run, step)
+        return real_step(run, step)
 
-    monkeypatch.setattr(grpo, "step_prompts", kill_engine_at_step_3)
+    monkeypatch.setattr(grpo, "grpo_step", kill_engine_at_step_3)
     with pytest.raises(GenerationEngineDied, match="engine actor died"):
         _train(part, "grpo.max_steps=4", off)
-    monkeypatch.setattr(grpo, "step_prompts", real_step_prompts)
+    monkeypatch.setattr(grpo, "grpo_step", real_step)
     ckpts = sorted(p.name for p in (part / "checkpoints").iterdir())
     assert ckpts == ["step_000002"]  # intact, nothing half-written
     assert [r["step"] for r in _rows(part, with_baseline=True)] == [0, 1, 2]

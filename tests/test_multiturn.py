@@ -12,11 +12,12 @@ import asyncio
 
 import pytest
 
-from conftest import CPU_VLLM_KWARGS, HOST_CORES, draft_spec
+from conftest import CPU_VLLM_KWARGS, HOST_CORES, assert_failed_start_leaves_nothing, draft_spec
 from rl_specdec.generation import GenerationConfig, SamplingSettings, validate_vllm_kwargs
-from rl_specdec.generation.server import TOY_CHAT_TEMPLATE
-from rl_specdec.generation.vllm_worker import SPEC_COUNTERS, SPEC_PER_POS, SleepNotSupported
-from rl_specdec.spec_decode import compute_spec_decode_metrics, read_spec_counters
+from rl_specdec.errors import SleepNotSupported
+from rl_specdec.spec_decode import compute_spec_decode_metrics
+from rl_specdec.spec_decode.counters import NAMES
+from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +28,7 @@ GREEDY = SamplingSettings(max_tokens=30, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def srv(request, local_ray, toy):
-    from rl_specdec.generation.async_worker import AsyncVllmGeneration
+    from rl_specdec.generation.group import AsyncVllmGeneration
 
     kw = validate_vllm_kwargs({**CPU_VLLM_KWARGS, "speculative_config": draft_spec(toy.drafter)}, str(toy.policy))
     cfg = GenerationConfig(num_engines=1, cpus_per_engine=HOST_CORES, vllm_kwargs=kw, self_check=False)
@@ -70,20 +71,46 @@ def test_temperature_one_sampling_follows_the_policy(srv, tokenizer):
     Without the fix in the engine-core process this fails (chi2 in the tens of
     thousands, most tokens are 0); check_sampling raises on p < 1e-6.
     """
-    before = read_spec_counters(srv)
     report = srv.check_sampling([tokenizer.encode("31")] * 200, max_tokens=12, top_k=5, seed=3)
-    m = compute_spec_decode_metrics(before, read_spec_counters(srv))
+    out = srv.generate([tokenizer.encode("31")] * 64, SamplingSettings(max_tokens=12, temperature=1.0, seed=4))
+    m = compute_spec_decode_metrics(None, out.spec_counters)
     assert report.num_tokens > 1000
     assert m["spec_decode/num_draft_tokens"] > 0 and m["spec_decode/acceptance_rate"] > 0.2, m
 
 
-def test_metrics_use_vllms_names(srv, task_prompts):
-    before = srv.get_metrics()[0]
-    assert set(before) == set(SPEC_COUNTERS) | {SPEC_PER_POS}
-    srv.generate(task_prompts[:4], GREEDY)
-    after = srv.get_metrics()[0]
-    assert after["vllm:spec_decode_num_drafts"] > before["vllm:spec_decode_num_drafts"]
-    assert len(after[SPEC_PER_POS]) == 3
+def test_call_counters_exclude_other_traffic(srv, url, task_prompts, tokenizer):
+    """A call's counters are its own requests', even while the server answers HTTP requests.
+
+    Greedy drafting and verification are deterministic per request, so the same
+    call gives the same counters alone and under traffic; the engine's
+    process-wide counters do count the traffic (which is what the test would see
+    if counters were read around the call).
+    """
+    import threading
+
+    import httpx
+
+    alone = srv.generate(task_prompts[:8], GREEDY).spec_counters
+    assert set(alone) == set(NAMES) and len(alone["vllm:spec_decode_num_accepted_tokens_per_pos"]) == 3
+    stop = threading.Event()
+
+    def traffic():
+        body = {"model": MODEL_NAME, "prompt": "31415=", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+        while not stop.is_set():
+            httpx.post(url + "/completions", json=body, timeout=HTTP_TIMEOUT)
+
+    before = srv.engine_counters()[0]
+    thread = threading.Thread(target=traffic, daemon=True)
+    thread.start()
+    try:
+        busy = srv.generate(task_prompts[:8], GREEDY).spec_counters
+    finally:
+        stop.set()
+        thread.join(timeout=HTTP_TIMEOUT)
+    after = srv.engine_counters()[0]
+    assert busy == alone
+    engine_wide = after["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"]
+    assert engine_wide > busy["vllm:spec_decode_num_drafts"], "no HTTP traffic was served during the call"
 
 
 def test_generate_async_yields_each_sample_when_it_finishes(srv, tokenizer):
@@ -264,6 +291,15 @@ def test_refit_changes_what_the_engine_generates(srv, toy, tokenizer):
     srv.update_weights(original)
     assert srv.generate(prompts, GREEDY).token_ids == base
     srv.reset_prefix_cache()
+
+
+def test_failed_async_start_leaves_nothing_behind(srv, toy):
+    """As for the synchronous group: a failed start releases its actor and its placement group."""
+    from rl_specdec.generation.group import AsyncVllmGeneration
+
+    kw = validate_vllm_kwargs({**CPU_VLLM_KWARGS, "max_model_len": 4096}, str(toy.policy))  # > the toy's 128 positions
+    cfg = GenerationConfig(num_engines=1, cpus_per_engine=1, vllm_kwargs=kw, self_check=False)
+    assert_failed_start_leaves_nothing(lambda: AsyncVllmGeneration(str(toy.policy), cfg), "AsyncVllmWorker")
 
 
 def test_sleep_is_refused_on_cpu(srv):

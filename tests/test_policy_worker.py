@@ -3,8 +3,7 @@
 import torch
 
 from rl_specdec.algorithms import ClippedPGLoss
-from rl_specdec.algorithms.grpo import build_train_batch
-from rl_specdec.generation import GenerationOutput
+from rl_specdec.algorithms.batch import Trajectory, build_train_batch
 from rl_specdec.policy import PolicyWorker, token_logprobs_and_entropy
 from rl_specdec.toy.build import build_toy_models, build_tokenizer
 
@@ -17,9 +16,9 @@ def _batch():
         digits = torch.randint(0, 10, (n,), generator=g).tolist()
         prompts.append(tok.encode("".join(map(str, digits)) + "="))
         responses.append(tok.encode("".join(map(str, sorted(digits)))[: n // 2 + 1]) + [tok.eos_token_id])
-    out = GenerationOutput(token_ids=responses, logprobs=[[-1.0] * len(r) for r in responses], finish_reasons=["stop"] * len(responses))
+    trajs = [Trajectory.single_turn(p, r, [-1.0] * len(r)) for p, r in zip(prompts, responses)]
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    return build_train_batch(prompts, out, adv, tok.pad_token_id)
+    return build_train_batch(trajs, adv, tok.pad_token_id)
 
 
 def test_micro_batching_matches_one_full_batch():

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from rl_specdec.generation import PrefixSpliceError, replace_prefix_tokens
-from rl_specdec.generation.server import TOY_CHAT_TEMPLATE, ChatMessage, ChatRenderer, RequestError, ServerConfig
+from rl_specdec.generation.server import ChatMessage, ChatRenderer, RequestError, ServerConfig
+from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE
 
 TOK2 = SimpleNamespace(eos_token_id=2)  # the seed document's example uses eos = 2
 

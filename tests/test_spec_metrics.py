@@ -1,4 +1,4 @@
-"""Spec-decode metrics from vLLM's cumulative counters: pure arithmetic, no engine."""
+"""Spec-decode counters and metrics: pure arithmetic, no engine."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from rl_specdec.spec_decode import aggregate_spec_decode_counters, compute_spec_decode_metrics, read_spec_counters
-from rl_specdec.spec_decode.metrics import ACCEPTED, DRAFT_TOKENS, DRAFTS, PER_POS
+from rl_specdec.spec_decode import aggregate_spec_decode_counters, compute_spec_decode_metrics, counters_from_histogram
+from rl_specdec.spec_decode.counters import ACCEPTED, DRAFT_TOKENS, DRAFTS, PER_POS
 
 
 def counters(drafts, draft_tokens, accepted, per_pos):
@@ -106,30 +106,15 @@ def test_no_speculation_gives_empty_metrics():
     assert compute_spec_decode_metrics({}, {"some/other_metric": 1.0}) == {}
 
 
-class _NoSpecBackend:
-    def get_metrics(self):
-        return [{}, {}]
-
-
-class _SpecBackend:
-    def __init__(self, snapshots):
-        self.snapshots = snapshots
-
-    def get_metrics(self):
-        return self.snapshots
-
-
-class _NoMetricsBackend:
-    """A backend with no get_metrics at all (e.g. an HF generate fallback)."""
-
-    def generate(self, *a, **k):  # pragma: no cover - never called
-        raise AssertionError
-
-
-def test_read_spec_counters_backends():
-    assert read_spec_counters(_NoSpecBackend()) == {}
-    assert read_spec_counters(_NoMetricsBackend()) == {}
-    assert compute_spec_decode_metrics(read_spec_counters(_NoMetricsBackend()), read_spec_counters(_NoMetricsBackend())) == {}
-    assert read_spec_counters(_SpecBackend(END)) == aggregate_spec_decode_counters(END)
-    m = compute_spec_decode_metrics(read_spec_counters(_SpecBackend(START)), read_spec_counters(_SpecBackend(END)))
-    assert m["spec_decode/acceptance_rate"] == pytest.approx(51 / 120)
+def test_histogram_counters_match_the_definitions():
+    # 4 verify steps with k=3: 0, 3, 1 and 3 drafted tokens accepted (12 drafted)
+    c = counters_from_histogram([1, 1, 0, 2], num_draft_tokens=12)
+    assert c["vllm:spec_decode_num_drafts"] == 4
+    assert c["vllm:spec_decode_num_accepted_tokens"] == 0 * 1 + 1 * 1 + 3 * 2
+    assert c["vllm:spec_decode_num_accepted_tokens_per_pos"] == [3, 2, 2]  # steps with j >= 1, >= 2, >= 3
+    m = compute_spec_decode_metrics(None, c)
+    assert m["spec_decode/acceptance_rate"] == pytest.approx(7 / 12)
+    assert m["spec_decode/acceptance_length"] == pytest.approx(1 + 7 / 4)
+    assert m["spec_decode/acceptance_rate_pos_1"] == pytest.approx(3 / 4)
+    # the per-position counts always add up to the accepted total
+    assert sum(c["vllm:spec_decode_num_accepted_tokens_per_pos"]) == c["vllm:spec_decode_num_accepted_tokens"]

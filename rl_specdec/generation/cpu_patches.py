@@ -27,7 +27,8 @@ starts). This module only acts when all of these hold:
 So a vLLM release that fixes the fallback is left alone, and GPU machines
 never see the patch. The engine must run in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which our worker sets) for the patch to
-reach the engine core.
+reach the engine core; the async engine's core gets it through the executor
+class in :mod:`rl_specdec.generation.engine_ext`.
 """
 
 from __future__ import annotations
@@ -111,6 +112,11 @@ def apply_cpu_spec_decode_fixes() -> bool:
         vllm.__version__,
     )
     return True
+
+
+def is_patched() -> bool:
+    """Whether :func:`apply_cpu_spec_decode_fixes` put the torch expansion in place in this process."""
+    return bool(_state["patched"])
 
 
 def expand_path_is_correct() -> bool:

@@ -1,15 +1,24 @@
 """The rollout interface: what the RL loop may ask of a generation backend.
 
-Kept as small as verl's ``BaseRollout``: generate, update weights, sleep,
-wake up, shut down, plus a counter read for metrics. Only token ids cross this
-boundary in either direction; tokenisation belongs to the caller.
+Kept as small as verl's ``BaseRollout``: generate, check that sampling is
+lossless, update weights, reset the prefix cache, sleep, wake up, shut down.
+Only token ids cross this boundary in either direction; tokenisation belongs
+to the caller. Speculative-decoding counters travel *with* each output
+(:attr:`GenerationOutput.spec_counters`), so a step's ``spec_decode/*``
+metrics describe exactly that step's requests.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from rl_specdec.generation.self_check import CalibrationReport
+from rl_specdec.spec_decode.counters import aggregate_spec_decode_counters
+
+if TYPE_CHECKING:  # typing only: the config module imports nothing from here
+    from rl_specdec.generation.config import GenerationConfig
 
 
 @dataclass(frozen=True)
@@ -24,6 +33,12 @@ class SamplingSettings:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = 0  # 0: the sampled token's log-prob only; K > 0: also the top K
 
+    @classmethod
+    def from_config(cls, gen: "GenerationConfig", *, seed: int | None = None, **overrides: Any) -> "SamplingSettings":
+        """The rollout settings of ``policy.generation`` (``overrides`` e.g. ``temperature=0.0`` for validation)."""
+        base = {"max_tokens": gen.max_new_tokens, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k}
+        return cls(**{**base, "seed": seed, **overrides})
+
 
 @dataclass
 class GenerationOutput:
@@ -35,12 +50,29 @@ class GenerationOutput:
     top_logprobs: list[list[dict[int, float]]] | None = None  # only when logprobs > 0
     per_engine_time_s: list[float] = field(default_factory=list)
     # Per sample: seconds from its engine's start of the call to the sample's last
-    # token (vLLM's per-request timestamps). Shows the long tail: when 50/90/100%
-    # of a step's rollouts were done. Empty where the engine does not report it.
+    # token. Shows the long tail: when 50/90/100% of a step's rollouts were done.
     finish_time_s: list[float] = field(default_factory=list)
+    # This call's spec-decode counters summed over its requests and engines, in
+    # vLLM's names (rl_specdec.spec_decode.counters); {} without speculation.
+    spec_counters: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @classmethod
+    def concat(cls, parts: Sequence[dict[str, Any]], with_top: bool) -> "GenerationOutput":
+        """Join engine shards (each a worker's result dict, in input order)."""
+        out = cls(token_ids=[], logprobs=[], finish_reasons=[], top_logprobs=[] if with_top else None)
+        for p in parts:
+            out.token_ids += p["token_ids"]
+            out.logprobs += p["logprobs"]
+            out.finish_reasons += p["finish_reasons"]
+            if with_top:
+                out.top_logprobs += p["top_logprobs"]
+            out.per_engine_time_s.append(p["time_s"])
+            out.finish_time_s += p["finish_time_s"]
+        out.spec_counters = aggregate_spec_decode_counters(p.get("spec_counters") for p in parts)
+        return out
 
     def time_until_done(self, fraction: float) -> float | None:
         """Seconds until ``fraction`` of the samples had finished (None without finish times).
@@ -56,7 +88,7 @@ class GenerationOutput:
         return times[max(math.ceil(fraction * len(times)) - 1, 0)]
 
     def select(self, indices: list[int]) -> "GenerationOutput":
-        """The outputs at ``indices``, in that order."""
+        """The outputs at ``indices``, in that order (the counters stay the whole call's)."""
         return GenerationOutput(
             token_ids=[self.token_ids[i] for i in indices],
             logprobs=[self.logprobs[i] for i in indices],
@@ -64,17 +96,26 @@ class GenerationOutput:
             top_logprobs=None if self.top_logprobs is None else [self.top_logprobs[i] for i in indices],
             per_engine_time_s=list(self.per_engine_time_s),
             finish_time_s=[self.finish_time_s[i] for i in indices] if self.finish_time_s else [],
+            spec_counters=dict(self.spec_counters),
         )
 
 
 class RolloutEngine(Protocol):
+    """Everything the RL loop calls on a generation backend."""
+
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> GenerationOutput: ...
 
-    def update_weights(self, state_dict: dict[str, Any]) -> None: ...
+    def check_sampling(self, prompt_token_ids: list[list[int]], max_tokens: int, top_k: int = 5, seed: int = 0) -> CalibrationReport:
+        """Raise ``SamplingSelfCheckFailed`` unless temperature-1 samples follow the policy."""
+        ...
 
-    def get_metrics(self) -> list[dict[str, Any]]: ...
+    def update_weights(self, state_dict: Any) -> float:
+        """Load HF-named target weights into every engine; returns seconds."""
+        ...
 
-    def sleep(self) -> None: ...
+    def reset_prefix_cache(self) -> None: ...
+
+    def sleep(self, level: int = 1) -> None: ...
 
     def wake_up(self) -> None: ...
 

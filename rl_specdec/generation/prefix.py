@@ -40,11 +40,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from rl_specdec.errors import PrefixSpliceError
+
 __all__ = ["PrefixSpliceError", "replace_prefix_tokens"]
-
-
-class PrefixSpliceError(ValueError):
-    """The model's tokens cannot be spliced into the re-rendered conversation."""
 
 
 def _eos_id(tokenizer: Any) -> int:

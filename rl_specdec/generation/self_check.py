@@ -25,13 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rl_specdec.generation.interfaces import GenerationOutput
-
-
-class SamplingSelfCheckFailed(RuntimeError):
-    pass
-
-
 @dataclass
 class CalibrationReport:
     observed: list[float]
@@ -72,14 +65,18 @@ def _merge_small(obs: list[float], exp: list[float], min_expected: float = 5.0):
     return o, e
 
 
-def calibration_report(out: GenerationOutput, top_k: int) -> CalibrationReport:
-    """Compare emitted ranks with the policy's own rank probabilities."""
-    if out.top_logprobs is None:
+def calibration_report(token_ids: list[list[int]], top_logprobs: list[list[dict[int, float]]] | None, top_k: int) -> CalibrationReport:
+    """Compare emitted ranks with the policy's own rank probabilities.
+
+    ``token_ids`` and ``top_logprobs`` as in ``GenerationOutput``, from a call made
+    with ``logprobs=top_k``.
+    """
+    if top_logprobs is None:
         raise ValueError("calibration_report needs a generation made with logprobs=top_k > 0")
     observed = [0.0] * (top_k + 1)
     expected = [0.0] * (top_k + 1)
     n = 0
-    for ids, steps in zip(out.token_ids, out.top_logprobs):
+    for ids, steps in zip(token_ids, top_logprobs):
         for tok, step in zip(ids, steps):
             # vLLM adds the sampled token to the top-K dict when it is outside the top K.
             ranked = sorted(step.items(), key=lambda kv: -kv[1])[:top_k]

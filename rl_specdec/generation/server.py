@@ -50,26 +50,13 @@ from typing import Any, Literal, Protocol, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rl_specdec.generation.prefix import PrefixSpliceError, replace_prefix_tokens
+from rl_specdec.errors import PrefixSpliceError
+from rl_specdec.generation.prefix import replace_prefix_tokens
 
 logger = logging.getLogger(__name__)
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
-
-# A chat template for the toy digit vocabulary (rl_specdec.toy): a user turn is its
-# content followed by "=", an assistant turn its content followed by the EOS token,
-# so turn boundaries are EOS tokens and turn 1 renders exactly as the task prompt
-# ("31415" -> "31415="). System messages are not part of the toy language.
-TOY_CHAT_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{%- if m['role'] == 'user' -%}{{ m['content'] }}="
-    "{%- elif m['role'] == 'assistant' -%}{{ m['content'] }}{{ eos_token }}"
-    "{%- else -%}{{ raise_exception('the toy chat template has no ' + m['role'] + ' role') }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-)
-
 
 @dataclass
 class ServerConfig:

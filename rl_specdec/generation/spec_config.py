@@ -24,16 +24,22 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from rl_specdec.errors import ConfigError
+
+# Engine arguments rl_specdec sets itself, and why.
+RL_SPECDEC_OWNED = {
+    "model": "policy.model_name",
+    "seed": "the run's seed",
+    "worker_extension_cls": "its engine extension, rl_specdec.generation.engine_ext",
+    "disable_log_stats": "spec-decode metrics need stat logging",
+    "per_request_spec_decode_metrics": "each call's spec-decode counters come from it",
+}
 # Methods whose proposer is a separate model given in speculative_config.model.
 DRAFTER_METHODS = {"draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "dflash", "dspark"}
 # Methods that propose without any model (the prompt/history is the drafter).
 MODEL_FREE_METHODS = {"ngram", "ngram_gpu", "suffix"}
 # vLLM 0.32: async scheduling runs with these speculation methods only (vllm/config/vllm.py).
 ASYNC_SCHED_OK = {"draft_model", "ngram_gpu", "dspark", "dflash", "eagle", "eagle3", "extract_hidden_states"}
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the key and the fix."""
 
 
 def _flatten_literal(tp) -> list[str]:
@@ -93,9 +99,9 @@ def validate_vllm_kwargs(
                 + (f"Did you mean {close}? " if close else "")
                 + "See vllm.engine.arg_utils.EngineArgs for the accepted names."
             )
-    for k in ("model", "seed"):
+    for k, by in RL_SPECDEC_OWNED.items():
         if k in kw:
-            raise ConfigError(f"{key}.{k} is set by rl_specdec (policy.model_name / seed); remove it from vllm_kwargs.")
+            raise ConfigError(f"{key}.{k} is set by rl_specdec ({by}); remove it from vllm_kwargs.")
     gmu = kw.get("gpu_memory_utilization")
     if gmu is not None and not (0.0 < float(gmu) <= 1.0):
         raise ConfigError(f"{key}.gpu_memory_utilization={gmu} must be in (0, 1].")

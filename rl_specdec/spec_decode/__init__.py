@@ -1,9 +1,17 @@
-"""Speculative-decoding counters and the metrics derived from them."""
+"""Speculative-decoding counters (vLLM's names, defined once) and the metrics derived from them."""
 
-from rl_specdec.spec_decode.metrics import (
+from rl_specdec.spec_decode.counters import (
     aggregate_spec_decode_counters,
-    compute_spec_decode_metrics,
-    read_spec_counters,
+    counters_from_histogram,
+    counters_from_requests,
+    counters_from_snapshot,
 )
+from rl_specdec.spec_decode.metrics import compute_spec_decode_metrics
 
-__all__ = ["aggregate_spec_decode_counters", "compute_spec_decode_metrics", "read_spec_counters"]
+__all__ = [
+    "aggregate_spec_decode_counters",
+    "compute_spec_decode_metrics",
+    "counters_from_histogram",
+    "counters_from_requests",
+    "counters_from_snapshot",
+]

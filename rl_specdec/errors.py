@@ -1,0 +1,31 @@
+"""Every error rl_specdec raises on purpose, in one neutral module.
+
+Each message names what went wrong (the config key, the engine, the tensor)
+and the fix. Importing this module imports nothing else, so any layer
+(config, generation, policy, algorithms) can raise or catch these.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key and the fix."""
+
+
+class GenerationEngineDied(RuntimeError):
+    """A vLLM engine actor died; the run cannot continue with this group."""
+
+
+class SamplingSelfCheckFailed(RuntimeError):
+    """The engines do not sample from the policy's distribution (speculation is not lossless here)."""
+
+
+class SleepNotSupported(RuntimeError):
+    """vLLM sleep mode is not available on this platform (CPU)."""
+
+
+class PrefixSpliceError(ValueError):
+    """The model's tokens cannot be spliced into the re-rendered conversation."""
+
+
+__all__ = ["ConfigError", "GenerationEngineDied", "PrefixSpliceError", "SamplingSelfCheckFailed", "SleepNotSupported"]

@@ -1,0 +1,80 @@
+"""Code that runs inside vLLM's engine process, reached through ``collective_rpc``.
+
+This follows vLLM's RLHF examples (``rlhf_utils.WorkerExtension``): a class
+that vLLM mixes into its worker (engine argument ``worker_extension_cls``),
+whose methods the engine's owner calls by name with
+``LLM.collective_rpc(name, args)`` or ``AsyncLLM.collective_rpc``. No private
+attribute chains: whatever rl_specdec does inside the engine is here.
+
+* :class:`RlSpecdecExtension`: start-up facts (is the CPU fix in place, is the
+  rejection sampler's expand path right) and weight reload into the target.
+* :data:`EXECUTOR_NAME`: for ``AsyncLLM``, whose engine core always runs in a
+  separate (spawned) process, a ``UniProcExecutor`` subclass that applies the
+  CPU fix in that process before the worker is built. It is passed as the
+  public ``distributed_executor_backend`` engine argument, pickled by
+  reference, and built on first use so that importing this module does not
+  import vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+EXTENSION = f"{__name__}.RlSpecdecExtension"
+EXECUTOR_NAME = "CpuFixedUniProcExecutor"
+
+
+class RlSpecdecExtension:
+    """Mixed into vLLM's worker; ``self`` is the worker (``self.model_runner``, ``self.reload_weights``)."""
+
+    def rl_specdec_engine_facts(self) -> dict[str, Any]:
+        from vllm.platforms import current_platform
+
+        from rl_specdec.generation import cpu_patches
+
+        on_cpu = current_platform.is_cpu()
+        return {
+            "engine_pid": os.getpid(),
+            "cpu_expand_patched": cpu_patches.is_patched(),
+            "expand_path_ok": cpu_patches.expand_path_is_correct() if on_cpu else True,
+        }
+
+    def rl_specdec_load_weights(self, weights: list[Any]) -> int:
+        """Reload the target model from HF-named weights (packed or ``(name, tensor)``); returns the count."""
+        from rl_specdec.generation.weights import unpack
+
+        pairs = unpack(weights)
+        self.reload_weights(weights_iterator=pairs, is_checkpoint_format=True)
+        return len(pairs)
+
+
+def _make_executor_class():
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    class CpuFixedUniProcExecutor(UniProcExecutor):
+        """``UniProcExecutor`` that applies the CPU expand fix in its own process before the worker starts."""
+
+        def _init_executor(self) -> None:
+            from rl_specdec.generation.cpu_patches import apply_cpu_spec_decode_fixes
+
+            apply_cpu_spec_decode_fixes()
+            super()._init_executor()
+
+    CpuFixedUniProcExecutor.__module__ = __name__
+    CpuFixedUniProcExecutor.__qualname__ = EXECUTOR_NAME
+    return CpuFixedUniProcExecutor
+
+
+def __getattr__(name: str):
+    # pickle finds the executor class by this module attribute, in the engine-core process too
+    if name == EXECUTOR_NAME:
+        cls = _make_executor_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def cpu_fixed_executor():
+    """The executor class (builds it on first use)."""
+    return __getattr__(EXECUTOR_NAME)

@@ -1,0 +1,218 @@
+"""A data-parallel group of vLLM engines in Ray actors: one class for both engine kinds.
+
+:class:`VllmGeneration` reserves one placement-group bundle per engine
+(:mod:`~rl_specdec.generation.placement`), starts one actor of its
+``worker_cls`` in each, assigns disjoint CPU cores to engines that share a
+host, and builds the engines. A batch of token-id prompts is cut into
+contiguous shards, one per engine, generated concurrently, and gathered back
+in input order together with each engine's spec-decode counters for the call.
+
+:class:`AsyncVllmGeneration` is the same group with the async actor; it only
+adds what is async: samples streamed as they finish (``iter_generate``) and
+the engines' HTTP base URLs.
+
+A failed start (placement, actor or engine) leaves no actor and no placement
+group behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Iterator, Sequence
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rl_specdec.errors import GenerationEngineDied, SamplingSelfCheckFailed
+from rl_specdec.generation.async_worker import AsyncVllmWorker, per_prompt
+from rl_specdec.generation.config import ClusterConfig, GenerationConfig
+from rl_specdec.generation.interfaces import GenerationOutput, SamplingSettings
+from rl_specdec.generation.placement import assign_cpu_binds, cluster_has_gpus, init_ray, reserve_engine_bundles, shard_sizes
+from rl_specdec.generation.self_check import CalibrationReport, calibration_report
+from rl_specdec.generation.worker import VllmWorker
+
+logger = logging.getLogger(__name__)
+
+
+class VllmGeneration:
+    """The rollout engine: N vLLM engines, one per Ray actor (a :class:`RolloutEngine`)."""
+
+    worker_cls: type = VllmWorker
+    actor_options: dict[str, Any] = {}
+
+    def __init__(self, model: str, config: GenerationConfig, cluster: ClusterConfig | None = None, seed: int = 0):
+        self._start(model, config, cluster or ClusterConfig(), seed, {})
+
+    def _start(self, model: str, config: GenerationConfig, cluster: ClusterConfig, seed: int, start_kwargs: dict[str, Any]) -> None:
+        self.config, self.model, self.workers, self.pg = config, model, [], None
+        init_ray(cluster)
+        on_gpu = cluster_has_gpus()
+        t0 = time.time()
+        try:
+            self.pg = reserve_engine_bundles(config, cluster, on_gpu)
+            actor = ray.remote(self.worker_cls)
+            self.workers = [
+                actor.options(
+                    num_cpus=0 if on_gpu else config.cpus_per_engine,
+                    num_gpus=0,  # the bundle holds the GPUs; vLLM places its own TP workers
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i),
+                    **self.actor_options,
+                ).remote()
+                for i in range(config.num_engines)
+            ]
+            self.placements = self._get([w.placement.remote() for w in self.workers])
+            binds = [None] * config.num_engines if on_gpu else assign_cpu_binds(self.placements, config.cpus_per_engine)
+            env = dict(config.env_vars)
+            self.engine_info = self._get(
+                [w.start_engine.remote(model, config.vllm_kwargs, seed, b, env, **start_kwargs) for w, b in zip(self.workers, binds)]
+            )
+        except BaseException:  # a failed start must not leave actors or reserved CPUs/GPUs behind
+            self.shutdown()
+            raise
+        for i, (p, info) in enumerate(zip(self.placements, self.engine_info)):
+            logger.info("engine %d on %s (node %s) cores=%s started in %.1fs", i, p["host"], p["node_id"][:8], info["cpu_bind"], info["start_s"])
+        self.start_s = time.time() - t0
+
+    def _get(self, refs):
+        try:
+            return ray.get(refs)
+        except RayActorError as e:
+            raise GenerationEngineDied(
+                f"a vLLM engine actor died ({e.__class__.__name__}): {e}. "
+                "Check the actor's log above (out of memory? killed?) and restart the run; "
+                "resume=true continues from the last checkpoint."
+            ) from e
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.workers)
+
+    def _shards(self, n: int) -> Iterator[tuple[Any, slice]]:
+        """(worker, slice of the batch) for every engine that gets work."""
+        start = 0
+        for w, size in zip(self.workers, shard_sizes(n, self.num_engines)):
+            if size:
+                yield w, slice(start, start + size)
+            start += size
+
+    # ---- RolloutEngine ----------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> GenerationOutput:
+        refs = [w.generate.remote(prompt_token_ids[s], sampling, s.start) for w, s in self._shards(len(prompt_token_ids))]
+        return GenerationOutput.concat(self._get(refs), with_top=sampling.logprobs > 0)
+
+    def check_sampling(self, prompt_token_ids: list[list[int]], max_tokens: int, top_k: int = 5, seed: int = 0, min_p_value: float = 1e-6) -> CalibrationReport:
+        """Sample at temperature 1 and refuse (raise) if the tokens are not distributed as the policy says.
+
+        See :mod:`rl_specdec.generation.self_check`. Also fails when an engine's
+        rejection-sampler expand path is broken on this platform.
+        """
+        broken = [i for i, info in enumerate(self.engine_info) if not info["expand_path_ok"]]
+        if broken:
+            raise SamplingSelfCheckFailed(
+                f"engines {broken}: vLLM's rejection-sampler expand kernel returns wrong values on this platform, "
+                "so speculative sampling at temperature > 0 would not be lossless."
+            )
+        out = self.generate(prompt_token_ids, SamplingSettings(max_tokens=max_tokens, temperature=1.0, seed=seed, logprobs=top_k))
+        report = calibration_report(out.token_ids, out.top_logprobs, top_k)
+        if report.p_value < min_p_value:
+            raise SamplingSelfCheckFailed(
+                "sampled tokens are not distributed as the policy's probabilities say (" + report.summary() + "). "
+                "Speculative decoding is changing what is sampled here; refusing to train. "
+                "Turn speculation off (policy.generation.vllm_kwargs.speculative_config=null) or fix the engine."
+            )
+        return report
+
+    def update_weights(self, state_dict: dict[str, Any] | ray.ObjectRef) -> float:
+        """Refit every engine's target model from an HF-named state dict (or an ObjectRef to one).
+
+        The dict is put in Ray's object store once and every engine reads it from there.
+        """
+        ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(state_dict)
+        return max(self._get([w.update_weights.remote(ref) for w in self.workers]))
+
+    def reset_prefix_cache(self) -> None:
+        self._get([w.reset_prefix_cache.remote() for w in self.workers])
+
+    def engine_counters(self) -> list[dict[str, Any]]:
+        """Each engine's cumulative spec-decode counters (all its traffic); for tools and tests.
+
+        A step's own counters come with its output (``GenerationOutput.spec_counters``).
+        """
+        return self._get([w.engine_counters.remote() for w in self.workers])
+
+    def sleep(self, level: int = 1) -> None:
+        self._get([w.sleep.remote(level) for w in self.workers])
+
+    def wake_up(self) -> None:
+        self._get([w.wake_up.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        """Stop every engine and actor and release the placement group."""
+        for w in getattr(self, "workers", []):
+            try:
+                ray.get(w.shutdown.remote(), timeout=30)
+            except Exception:  # already dead: nothing to release
+                pass
+            ray.kill(w, no_restart=True)
+        self.workers = []
+        if getattr(self, "pg", None) is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+class AsyncVllmGeneration(VllmGeneration):
+    """N async engines, one per Ray actor, each optionally serving HTTP."""
+
+    worker_cls = AsyncVllmWorker
+    actor_options = {"max_concurrency": 1000}
+
+    def __init__(self, model: str, config: GenerationConfig, cluster: ClusterConfig | None = None, seed: int = 0, server: Any = None):
+        from rl_specdec.generation.server import ServerConfig
+
+        if isinstance(server, ServerConfig):
+            server = dataclasses.asdict(server)
+        if server is not None:
+            ServerConfig(**server).check()
+        self._start(model, config, cluster or ClusterConfig(), seed, {"server": server})
+
+    def base_urls(self) -> list[str | None]:
+        """Each engine's OpenAI base URL (``http://127.0.0.1:PORT/v1``), None where it has no server."""
+        return self._get([w.report_base_url.remote() for w in self.workers])
+
+    def iter_generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingSettings | Sequence[SamplingSettings],
+        extra: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
+    ) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Yield ``(index, sample)`` in the order samples finish, across all engines.
+
+        Prompts are sharded as in ``generate``; ``index`` is the prompt's index in
+        ``prompt_token_ids``. ``sampling``/``extra`` are shared or one per prompt.
+        Stopping the iteration early cancels the rest.
+        """
+        n = len(prompt_token_ids)
+        settings, extras = per_prompt(sampling, n, "sampling"), per_prompt(extra, n, "extra")
+        pending = [
+            w.generate_async.options(num_returns="streaming").remote(prompt_token_ids[s], settings[s], s.start, extras[s])
+            for w, s in self._shards(n)
+        ]
+        try:
+            while pending:
+                ready, _ = ray.wait(pending, num_returns=1)
+                try:
+                    ref = next(ready[0])
+                except StopIteration:
+                    pending.remove(ready[0])
+                    continue
+                yield self._get(ref)
+        finally:
+            for g in pending:
+                try:
+                    ray.cancel(g)
+                except Exception:
+                    pass

@@ -1,0 +1,203 @@
+"""vLLM engines inside Ray actors: one base, and the synchronous engine.
+
+:class:`VllmWorkerBase` holds what every engine actor does the same way:
+report where it landed, prepare its process (environment, CPU cores), turn
+:class:`SamplingSettings` into vLLM's ``SamplingParams``, turn vLLM's outputs
+into plain dicts (token ids, log-probs, finish reasons, and the call's
+spec-decode counters), and refuse sleep where vLLM has none.
+:class:`VllmWorker` runs a synchronous ``vllm.LLM`` on top of it; the async
+actor (:mod:`rl_specdec.generation.async_worker`) runs ``AsyncLLM``.
+
+The actor is created cheaply first, so the group can learn which node and
+host it landed on; ``start_engine`` then builds the engine with the CPU cores
+the group assigned to it. Everything that crosses the actor boundary is token
+ids, floats and plain dicts.
+
+Whatever runs inside the engine (the weight reload, the start-up facts) is a
+method of :class:`~rl_specdec.generation.engine_ext.RlSpecdecExtension`,
+reached with ``collective_rpc``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+from rl_specdec.errors import SleepNotSupported
+from rl_specdec.generation.engine_ext import EXTENSION
+from rl_specdec.generation.interfaces import SamplingSettings
+from rl_specdec.spec_decode.counters import aggregate_spec_decode_counters, counters_from_requests, counters_from_snapshot
+
+
+class VllmWorkerBase:
+    """What every engine actor shares. Subclasses add the engine itself."""
+
+    platform = "unknown"
+    sleep_available = False
+
+    # ---- placement and process set-up ------------------------------------------------
+    def placement(self) -> dict[str, Any]:
+        import ray
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "host": socket.gethostname(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "host_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+        }
+
+    def _prepare_process(self, env_vars: dict[str, str] | None, cpu_bind: str | None) -> None:
+        """Environment for vLLM, set before it is imported (and inherited by an engine-core process)."""
+        os.environ.update({k: str(v) for k, v in (env_vars or {}).items()})
+        if cpu_bind is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+
+    @staticmethod
+    def _engine_kwargs(vllm_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``vllm_kwargs`` plus what rl_specdec needs of every engine."""
+        kw = dict(vllm_kwargs)
+        kw["disable_log_stats"] = False  # the spec-decode metrics need stat logging
+        kw["worker_extension_cls"] = EXTENSION
+        if kw.get("speculative_config") is not None:
+            # per-request acceptance histograms: each call's counters, free of other traffic
+            kw["per_request_spec_decode_metrics"] = "summary"
+        return kw
+
+    def _note_platform(self) -> None:
+        from vllm.platforms import current_platform
+
+        self.sleep_available = current_platform.is_sleep_mode_available()
+        self.platform = str(current_platform.device_type)
+
+    def _start_info(self, t0: float, cpu_bind: str | None, facts: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "start_s": time.time() - t0,
+            "cpu_expand_patched": facts.get("cpu_expand_patched"),
+            "expand_path_ok": facts.get("expand_path_ok", True),
+            "engine_pid": facts.get("engine_pid"),
+            "actor_pid": os.getpid(),
+            "platform": self.platform,
+            "cpu_bind": cpu_bind,
+        }
+
+    # ---- requests and results --------------------------------------------------------
+    @staticmethod
+    def _sampling_params(sampling: SamplingSettings, seed_index: int, extra: dict[str, Any] | None = None, **fixed: Any):
+        """vLLM ``SamplingParams`` for request ``seed_index`` of a call (seeded ``seed + seed_index``)."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=1,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=None if sampling.seed is None else sampling.seed + seed_index,
+            stop_token_ids=list(sampling.stop_token_ids),
+            logprobs=sampling.logprobs,
+            detokenize=False,
+            **fixed,
+            **(extra or {}),
+        )
+
+    @staticmethod
+    def _sample(c, want_top: bool) -> dict[str, Any]:
+        """One vLLM ``CompletionOutput`` as a plain dict."""
+        ids = list(c.token_ids)
+        return {
+            "token_ids": ids,
+            "logprobs": [step[t].logprob for step, t in zip(c.logprobs or [], ids)],
+            "finish_reason": "stop" if c.finish_reason == "stop" else str(c.finish_reason),
+            "top_logprobs": [{k: v.logprob for k, v in step.items()} for step in c.logprobs] if want_top else None,
+            "spec_counters": counters_from_requests([getattr(c, "spec_decode_metrics", None)]),
+        }
+
+    @staticmethod
+    def _batch_result(samples: list[dict[str, Any]], time_s: float, finish_time_s: list[float], want_top: bool) -> dict[str, Any]:
+        """One call's samples (in input order) in the layout ``GenerationOutput.concat`` joins."""
+        return {
+            "token_ids": [s["token_ids"] for s in samples],
+            "logprobs": [s["logprobs"] for s in samples],
+            "finish_reasons": [s["finish_reason"] for s in samples],
+            "top_logprobs": [s["top_logprobs"] for s in samples] if want_top else None,
+            "time_s": time_s,
+            "finish_time_s": finish_time_s,
+            "spec_counters": aggregate_spec_decode_counters(s["spec_counters"] for s in samples),
+        }
+
+    def _require_sleep(self) -> None:
+        if not self.sleep_available:
+            raise SleepNotSupported(
+                f"vLLM sleep mode is not available on the {self.platform} platform "
+                "(it needs CUDA/ROCm/XPU and enable_sleep_mode=true in vllm_kwargs); "
+                "on CPU the engine simply stays resident."
+            )
+
+
+class VllmWorker(VllmWorkerBase):
+    """Holds one synchronous ``vllm.LLM`` whose engine core runs in this actor's process.
+
+    In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the CPU fix applied here
+    reaches the sampler, and ``collective_rpc`` hands the extension Python
+    objects (the state dict) without serialising them.
+    """
+
+    def start_engine(self, model: str, vllm_kwargs: dict[str, Any], seed: int, cpu_bind: str | None, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
+        """Build the engine; returns start-up facts (time, CPU fix, platform, cores)."""
+        t0 = time.time()
+        self._prepare_process(env_vars, cpu_bind)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from rl_specdec.generation.cpu_patches import apply_cpu_spec_decode_fixes
+
+        apply_cpu_spec_decode_fixes()
+        from vllm import LLM
+
+        self.llm = LLM(model=model, seed=seed, **self._engine_kwargs(vllm_kwargs))
+        self._note_platform()
+        return self._start_info(t0, cpu_bind, self.llm.collective_rpc("rl_specdec_engine_facts")[0])
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, offset: int) -> dict[str, Any]:
+        """Generate for this shard. ``offset`` is the shard's index in the batch (for per-request seeds)."""
+        t0 = time.time()
+        t0_mono = time.monotonic()  # vLLM's per-request timestamps are time.monotonic() in the engine core
+        params = [self._sampling_params(sampling, offset + i) for i in range(len(prompt_token_ids))]
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
+        time_s = time.time() - t0
+        finish = []
+        for o in outs:
+            done = getattr(o.metrics, "last_token_ts", 0.0) if o.metrics is not None else 0.0
+            finish.append(min(max(done - t0_mono, 0.0), time_s) if done else time_s)
+        want_top = sampling.logprobs > 0
+        return self._batch_result([self._sample(o.outputs[0], want_top) for o in outs], time_s, finish, want_top)
+
+    def engine_counters(self) -> dict[str, Any]:
+        """vLLM's cumulative spec-decode counters over the engine's life (all traffic); {} without speculation."""
+        return counters_from_snapshot(self.llm.get_metrics())
+
+    def update_weights(self, state_dict: dict[str, Any]) -> float:
+        """Load a Hugging Face-named state dict into the target model, then reset the prefix cache."""
+        t0 = time.time()
+        self.llm.collective_rpc("rl_specdec_load_weights", args=(list(state_dict.items()),))
+        self.llm.reset_prefix_cache()  # cached KV computed with the old weights is wrong for the new ones
+        return time.time() - t0
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        self._require_sleep()
+        self.llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        self._require_sleep()
+        self.llm.wake_up()
+
+    def shutdown(self) -> None:
+        """Drop the engine; the group then kills this actor (and its process)."""
+        import gc
+
+        self.llm = None
+        gc.collect()
