@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rl_specdec.logging import configure_console
 
-    configure_console("info" if args.verbose else "warning")  # before anything imports vLLM
+    configure_console("info" if args.verbose else "error")  # before anything imports vLLM
     from rl_specdec.config import ConfigError, load_config, to_yaml
 
     try:

@@ -86,9 +86,9 @@ class LoggerConfig:
     log_dir: str = "logs/grpo"
     wandb: WandbConfig = field(default_factory=WandbConfig)
     progress_bar: bool = True
-    # vLLM's and Ray's log level on the console (engines included); rl_specdec's own lines
-    # (start-up summary, validation, errors) always show. "info" brings back every engine log.
-    level: str = "warning"
+    # vLLM's, Ray's and transformers' log level on the console (engines included); rl_specdec's
+    # own lines (start-up summary, validation, errors) always show. "info" brings back every log.
+    level: str = "error"
 
 
 @dataclass

@@ -20,18 +20,19 @@ from pathlib import Path
 from typing import Any
 
 
-THIRD_PARTY_LOGGERS = ("vllm", "ray", "transformers", "urllib3", "httpx", "uvicorn")
+THIRD_PARTY_LOGGERS = ("vllm", "ray", "transformers", "urllib3", "httpx", "uvicorn", "wandb")
+LEVEL_ENV = "RL_SPECDEC_LOG_LEVEL"
 
 
-def configure_console(level: str = "warning") -> None:
+def configure_console(level: str = "error") -> None:
     """A quiet console: vLLM, Ray and transformers log at ``level``; rl_specdec's own lines always show.
 
     Call it before vLLM is first imported: vLLM reads ``VLLM_LOGGING_LEVEL``
-    when it is imported, in this process and in every Ray worker, which
-    inherits the variable (``init_ray`` also hands it to the workers of a
-    joined cluster).
+    when it is imported. Ray workers get the same level through
+    :func:`worker_env` (``init_ray`` passes it as the job's runtime env).
     """
     name = level.upper()
+    os.environ[LEVEL_ENV] = name
     os.environ["VLLM_LOGGING_LEVEL"] = name
     os.environ["TRANSFORMERS_VERBOSITY"] = level.lower()
     logging.basicConfig(level=getattr(logging, name), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -39,6 +40,27 @@ def configure_console(level: str = "warning") -> None:
     for lib in THIRD_PARTY_LOGGERS:
         logging.getLogger(lib).setLevel(getattr(logging, name))
     logging.getLogger("rl_specdec").setLevel(logging.INFO)
+
+
+def console_level() -> int:
+    """The level :func:`configure_console` set (WARNING if it was not called)."""
+    return getattr(logging, os.environ.get(LEVEL_ENV, "WARNING"))
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for Ray workers (engines, policy) that matches the console level; {} if none was set.
+
+    Above INFO the workers' progress bars (weight loading, checkpoint writing),
+    Python warnings and torch's C++ warnings are off as well; the driver's own
+    progress bar is unaffected.
+    """
+    if LEVEL_ENV not in os.environ:
+        return {}
+    name = os.environ[LEVEL_ENV]
+    env = {LEVEL_ENV: name, "VLLM_LOGGING_LEVEL": name, "TRANSFORMERS_VERBOSITY": name.lower()}
+    if getattr(logging, name) > logging.INFO:
+        env.update({"TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore", "TORCH_CPP_LOG_LEVEL": "ERROR"})
+    return env
 
 
 class Timer:
@@ -107,6 +129,19 @@ class MetricsLogger:
             return
         keep = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
         self.path.write_text("".join(line + "\n" for line in keep))
+
+    def add_config(self, values: dict[str, Any]) -> None:
+        """Add to the wandb run's config (e.g. what the engines really run, under ``engine/``)."""
+        if self.run is not None:
+            self.run.config.update(values, allow_val_change=True)
+
+    def write_file(self, name: str, text: str) -> Path:
+        """A file in the run's log folder, written whole (temporary name, then rename)."""
+        path = self.log_dir / name
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        return path
 
     def logged_steps(self) -> set[int]:
         """Steps that have a row in metrics.jsonl."""

@@ -1,6 +1,7 @@
 """End-to-end GRPO on the toy: real Ray, real vLLM with speculation, real wandb (offline)."""
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -49,10 +50,28 @@ def _train(log_dir, *extra):
     return train(cfg, progress=False)
 
 
+ASYNC_ON = "policy.generation.vllm_kwargs.async_scheduling=true"  # asked for; vLLM's CPU platform drops it
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     d = tmp_path_factory.mktemp("grpo_full")
-    _train(d, "grpo.max_steps=4")
+    warnings = _Collect()
+    logging.getLogger("rl_specdec").addHandler(warnings)
+    try:
+        _train(d, "grpo.max_steps=4", ASYNC_ON)
+    finally:
+        logging.getLogger("rl_specdec").removeHandler(warnings)
+    (d / "warnings.txt").write_text("\n".join(warnings.messages))
     return d
 
 
@@ -78,6 +97,27 @@ def test_metrics_jsonl_has_every_key_finite(uninterrupted):
     baseline = _rows(uninterrupted, with_baseline=True)[0]
     assert baseline["step"] == 0 and "val/accuracy" in baseline
     assert baseline["self_check/p_value"] > 1e-6
+
+
+def test_engine_yaml_says_what_the_engine_runs(uninterrupted):
+    """async_scheduling was asked for and dropped by vLLM on CPU: one warning names it; honoured settings give none."""
+    import yaml
+
+    (engine,) = yaml.safe_load((Path(uninterrupted) / "engine.yaml").read_text())["engines"]
+    assert engine["async_scheduling"] is False
+    assert engine["speculative/method"] == "draft_model" and engine["speculative/num_speculative_tokens"] == 3
+    assert engine["backend"] == "cpu" and engine["cpu_expand_fix"] is True and engine["dtype"] == "float32"
+    warned = [m for m in (Path(uninterrupted) / "warnings.txt").read_text().splitlines() if "the engine runs" in m]
+    assert len(warned) == 1 and "vllm_kwargs.async_scheduling: requested True, the engine runs False" in warned[0], warned
+    assert "vllm: " in (Path(uninterrupted) / "env.txt").read_text()
+
+
+def test_strict_engine_settings_stop_before_the_first_step(tmp_path):
+    from rl_specdec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="vllm_kwargs.async_scheduling: requested True, the engine runs False"):
+        _train(tmp_path, "grpo.max_steps=2", ASYNC_ON, "policy.generation.strict_engine_settings=true")
+    assert not (tmp_path / "metrics.jsonl").exists() or all(r["step"] == 0 for r in _rows(tmp_path, with_baseline=True))
 
 
 def test_wandb_offline_run_written(uninterrupted):

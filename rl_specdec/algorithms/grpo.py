@@ -103,6 +103,7 @@ def setup(cfg: RunConfig) -> GRPORun:
         policy, generation, metrics, checkpoints, ClippedPGLoss(cfg.grpo.clip_eps, cfg.grpo.kl_coef), Timer(),
     )
     try:
+        record_environment(run)
         if latest is not None:
             run.start_step = _resume(run, *latest)
         # the engines hold exactly the trainer's weights before the first rollout (dummy-loaded or not)
@@ -139,6 +140,21 @@ def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface]:
         generation.shutdown()
         raise
     return generation, policy
+
+
+def record_environment(run: GRPORun) -> None:
+    """env.txt and engine.yaml in the log folder, the engines' settings in wandb (engine/), one console line."""
+    from omegaconf import OmegaConf
+
+    from rl_specdec.env import report
+    from rl_specdec.generation.settings import summary_line
+
+    gen = run.generation
+    run.metrics.write_file("env.txt", report())
+    engines = [dict(info["settings"], engine=i, host=p["host"], cores=info["cpu_bind"]) for i, (info, p) in enumerate(zip(gen.engine_info, gen.placements))]
+    run.metrics.write_file("engine.yaml", OmegaConf.to_yaml({"engines": engines}))
+    run.metrics.add_config({"engine": gen.settings})
+    logger.info("%s", summary_line(gen.settings, len(engines)))
 
 
 def _resume(run: GRPORun, path: Path, state: dict[str, Any]) -> int:

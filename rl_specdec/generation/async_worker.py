@@ -73,12 +73,11 @@ class AsyncVllmWorker(VllmWorkerBase):
         vllm_kwargs: dict[str, Any],
         seed: int,
         cpu_bind: str | None,
-        env_vars: dict[str, str] | None = None,
         server: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Build the engine (and the HTTP server when ``server`` is given); returns start-up facts."""
         t0 = time.time()
-        self._prepare_process(env_vars, cpu_bind)
+        self._prepare_process(cpu_bind)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -88,7 +87,8 @@ class AsyncVllmWorker(VllmWorkerBase):
         self.model_path = model
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.vocab_size = int(self.engine.model_config.get_vocab_size())
-        info = self._start_info(t0, cpu_bind, (await self.engine.collective_rpc("rl_specdec_engine_facts"))[0])
+        facts = (await self.engine.collective_rpc("rl_specdec_engine_facts"))[0]
+        info = self._start_info(t0, cpu_bind, facts, (await self.engine.collective_rpc("rl_specdec_settings"))[0])
         info["base_url"] = None
         if server is not None:
             from transformers import AutoTokenizer

@@ -28,7 +28,11 @@ class GenerationConfig:
     # Sample the first batch with top-k log-probs at start-up and refuse to
     # continue if the emitted tokens are not distributed as the policy says.
     self_check: bool = True
-    # Environment variables set in each engine's process before vLLM is imported.
+    # Environment variables of each engine's process, set when the process starts (Ray
+    # runtime_env), so LD_PRELOAD and OpenMP settings take effect.
     env_vars: dict[str, str] = field(default_factory=dict)
+    # vLLM may run a setting other than the one asked for (on CPU it turns async_scheduling
+    # off). false: warn once per such setting; true: stop before the first step.
+    strict_engine_settings: bool = False
     # Passed to vllm.LLM(...) as-is (speculative_config included), after validation.
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -105,7 +105,7 @@ def apply_cpu_spec_decode_fixes() -> bool:
     _state["patched"] = True
     import vllm
 
-    logger.warning(
+    logger.info(
         "rl_specdec: vLLM %s on CPU drops the expand kernel's float writes; "
         "using a torch fallback so speculative sampling stays lossless "
         "(see rl_specdec/generation/cpu_patches.py)",

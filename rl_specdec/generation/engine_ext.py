@@ -40,6 +40,43 @@ class RlSpecdecExtension:
             "expand_path_ok": cpu_patches.expand_path_is_correct() if on_cpu else True,
         }
 
+    def rl_specdec_settings(self) -> dict[str, Any]:
+        """The settings this engine really runs, read from its own ``vllm_config`` (see generation/settings.py)."""
+        import vllm
+        from vllm.platforms import current_platform
+
+        from rl_specdec.generation import cpu_patches
+
+        c = self.vllm_config
+        sched, model, cache, spec = c.scheduler_config, c.model_config, c.cache_config, c.speculative_config
+        out = {
+            "vllm_version": vllm.__version__,
+            "backend": str(current_platform.device_type),
+            "cpu_expand_fix": cpu_patches.is_patched(),
+            "async_scheduling": bool(sched.async_scheduling),
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_model_len": model.max_model_len,
+            "enable_chunked_prefill": bool(sched.enable_chunked_prefill),
+            "enable_prefix_caching": bool(cache.enable_prefix_caching),
+            "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
+            "load_format": str(c.load_config.load_format),
+            "enforce_eager": bool(model.enforce_eager),
+            "compilation_mode": int(c.compilation_config.mode),
+            "cudagraph_mode": str(c.compilation_config.cudagraph_mode),
+        }
+        if spec is not None:
+            sched_k = spec.num_speculative_tokens_per_batch_size
+            out.update({
+                "speculative/method": spec.method,
+                "speculative/num_speculative_tokens": spec.num_speculative_tokens,
+                "speculative/num_speculative_tokens_per_batch_size": [list(e) for e in sched_k] if sched_k else None,
+                "speculative/draft_sample_method": spec.draft_sample_method,
+                "speculative/rejection_sample_method": spec.rejection_sample_method,
+            })
+        return out
+
     def rl_specdec_load_weights(self, weights: list[Any]) -> int:
         """Reload the target model from HF-named weights (packed or ``(name, tensor)``); returns the count."""
         from rl_specdec.generation.weights import unpack

@@ -28,6 +28,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_specdec.errors import GenerationEngineDied, SamplingSelfCheckFailed
+from rl_specdec.generation import settings
 from rl_specdec.generation.async_worker import AsyncVllmWorker, per_prompt
 from rl_specdec.generation.config import ClusterConfig, GenerationConfig
 from rl_specdec.generation.interfaces import GenerationOutput, SamplingSettings
@@ -60,15 +61,19 @@ class VllmGeneration:
                     num_cpus=0 if on_gpu else config.cpus_per_engine,
                     num_gpus=0,  # the bundle holds the GPUs; vLLM places its own TP workers
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i),
+                    runtime_env={"env_vars": {k: str(v) for k, v in config.env_vars.items()}},  # at process start
                     **self.actor_options,
                 ).remote()
                 for i in range(config.num_engines)
             ]
             self.placements = self._get([w.placement.remote() for w in self.workers])
             binds = [None] * config.num_engines if on_gpu else assign_cpu_binds(self.placements, config.cpus_per_engine)
-            env = dict(config.env_vars)
             self.engine_info = self._get(
-                [w.start_engine.remote(model, config.vllm_kwargs, seed, b, env, **start_kwargs) for w, b in zip(self.workers, binds)]
+                [w.start_engine.remote(model, config.vllm_kwargs, seed, b, **start_kwargs) for w, b in zip(self.workers, binds)]
+            )
+            # what the engines really run; a setting vLLM did not honour is a warning (or, strict, an error)
+            self.settings = settings.check(
+                config.vllm_kwargs, [i["settings"] for i in self.engine_info], config.strict_engine_settings, logger.warning
             )
         except BaseException:  # a failed start must not leave actors or reserved CPUs/GPUs behind
             self.shutdown()

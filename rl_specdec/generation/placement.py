@@ -10,8 +10,6 @@ for their OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), so two engines on a
 
 from __future__ import annotations
 
-import logging
-import os
 from collections import defaultdict
 from typing import Any
 
@@ -19,18 +17,16 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from rl_specdec.generation.config import ClusterConfig, GenerationConfig
-
-# Ray's own start-up chatter; the runs' console shows their progress and metrics.
-RAY_LOGGING_LEVEL = logging.WARNING
+from rl_specdec.logging import console_level, worker_env
 
 
-def init_ray(cluster: ClusterConfig, logging_level: int = RAY_LOGGING_LEVEL) -> None:
-    """Start or join Ray once per process."""
+def init_ray(cluster: ClusterConfig) -> None:
+    """Start or join Ray once per process; its workers log at the console's level (rl_specdec.logging)."""
     if ray.is_initialized():
         return
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "logging_level": logging_level}
-    if "VLLM_LOGGING_LEVEL" in os.environ:  # engines log at the driver's level (see rl_specdec.logging)
-        kwargs["runtime_env"] = {"env_vars": {"VLLM_LOGGING_LEVEL": os.environ["VLLM_LOGGING_LEVEL"]}}
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "logging_level": console_level()}
+    if env := worker_env():
+        kwargs["runtime_env"] = {"env_vars": env}
     if cluster.address:
         ray.init(address=cluster.address, **kwargs)
     else:  # "local": never attach to some other job's running cluster by accident

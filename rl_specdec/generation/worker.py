@@ -20,6 +20,7 @@ reached with ``collective_rpc``.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -28,6 +29,7 @@ from typing import Any
 from rl_specdec.errors import SleepNotSupported
 from rl_specdec.generation.engine_ext import EXTENSION
 from rl_specdec.generation.interfaces import SamplingSettings
+from rl_specdec.logging import LEVEL_ENV as QUIET_ENV
 from rl_specdec.spec_decode.counters import aggregate_spec_decode_counters, counters_from_requests, counters_from_snapshot
 
 
@@ -49,11 +51,15 @@ class VllmWorkerBase:
             "host_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
         }
 
-    def _prepare_process(self, env_vars: dict[str, str] | None, cpu_bind: str | None) -> None:
-        """Environment for vLLM, set before it is imported (and inherited by an engine-core process)."""
-        os.environ.update({k: str(v) for k, v in (env_vars or {}).items()})
+    def _prepare_process(self, cpu_bind: str | None) -> None:
+        """Environment for vLLM, set before it is imported (and inherited by an engine-core process).
+
+        ``GenerationConfig.env_vars`` are already set: the group starts the actor with them.
+        """
         if cpu_bind is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+        if QUIET_ENV in os.environ:  # the console level (rl_specdec.logging), also for what vLLM logs on import
+            logging.getLogger("vllm").setLevel(os.environ[QUIET_ENV])
 
     @staticmethod
     def _engine_kwargs(vllm_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -61,6 +67,8 @@ class VllmWorkerBase:
         kw = dict(vllm_kwargs)
         kw["disable_log_stats"] = False  # the spec-decode metrics need stat logging
         kw["worker_extension_cls"] = EXTENSION
+        if logging.getLevelName(os.environ.get(QUIET_ENV, "INFO")) > logging.INFO:
+            kw.setdefault("use_tqdm_on_load", False)  # no weight-loading bars on a quiet console
         if kw.get("speculative_config") is not None:
             # per-request acceptance histograms: each call's counters, free of other traffic
             kw["per_request_spec_decode_metrics"] = "summary"
@@ -72,8 +80,9 @@ class VllmWorkerBase:
         self.sleep_available = current_platform.is_sleep_mode_available()
         self.platform = str(current_platform.device_type)
 
-    def _start_info(self, t0: float, cpu_bind: str | None, facts: dict[str, Any]) -> dict[str, Any]:
+    def _start_info(self, t0: float, cpu_bind: str | None, facts: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
         return {
+            "settings": settings,
             "start_s": time.time() - t0,
             "cpu_expand_patched": facts.get("cpu_expand_patched"),
             "expand_path_ok": facts.get("expand_path_ok", True),
@@ -145,10 +154,10 @@ class VllmWorker(VllmWorkerBase):
     objects (the state dict) without serialising them.
     """
 
-    def start_engine(self, model: str, vllm_kwargs: dict[str, Any], seed: int, cpu_bind: str | None, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
+    def start_engine(self, model: str, vllm_kwargs: dict[str, Any], seed: int, cpu_bind: str | None) -> dict[str, Any]:
         """Build the engine; returns start-up facts (time, CPU fix, platform, cores)."""
         t0 = time.time()
-        self._prepare_process(env_vars, cpu_bind)
+        self._prepare_process(cpu_bind)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from rl_specdec.generation.cpu_patches import apply_cpu_spec_decode_fixes
 
@@ -157,7 +166,8 @@ class VllmWorker(VllmWorkerBase):
 
         self.llm = LLM(model=model, seed=seed, **self._engine_kwargs(vllm_kwargs))
         self._note_platform()
-        return self._start_info(t0, cpu_bind, self.llm.collective_rpc("rl_specdec_engine_facts")[0])
+        facts, settings = (self.llm.collective_rpc(m)[0] for m in ("rl_specdec_engine_facts", "rl_specdec_settings"))
+        return self._start_info(t0, cpu_bind, facts, settings)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, offset: int) -> dict[str, Any]:
         """Generate for this shard. ``offset`` is the shard's index in the batch (for per-request seeds)."""

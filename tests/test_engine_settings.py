@@ -1,0 +1,90 @@
+"""What the engine really runs: the comparison logic (pure) and the environment report (a subprocess).
+
+The engine side (a real engine that drops ``async_scheduling`` on CPU) is
+tested in tests/test_grpo.py, where the run writes engine.yaml.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rl_specdec.errors import ConfigError
+from rl_specdec.generation import settings
+
+CPU_DRAFT = {
+    "vllm_version": "0.32.0",
+    "backend": "cpu",
+    "cpu_expand_fix": True,
+    "async_scheduling": False,
+    "dtype": "float32",
+    "max_num_batched_tokens": 4096,
+    "max_model_len": 128,
+    "enable_prefix_caching": True,
+    "enforce_eager": True,
+    "compilation_mode": 0,
+    "speculative/method": "draft_model",
+    "speculative/num_speculative_tokens": 3,
+    "speculative/num_speculative_tokens_per_batch_size": None,
+    "speculative/draft_sample_method": "probabilistic",
+    "speculative/rejection_sample_method": "standard",
+}
+ASKED = {
+    "async_scheduling": True,
+    "max_model_len": 128,
+    "dtype": "float32",
+    "enable_prefix_caching": True,
+    "speculative_config": {"method": "draft_model", "model": "/x", "num_speculative_tokens": 3},
+}
+
+
+def test_a_dropped_setting_is_named_with_both_values_and_the_reason():
+    (m,) = settings.mismatches(ASKED, CPU_DRAFT)
+    assert m.key == "async_scheduling" and m.requested is True and m.effective is False
+    msg = m.message()
+    assert "policy.generation.vllm_kwargs.async_scheduling" in msg and "True" in msg and "False" in msg
+    assert "CPU platform" in msg
+
+
+def test_honoured_settings_give_nothing():
+    ok = {k: v for k, v in ASKED.items() if k != "async_scheduling"}
+    assert settings.mismatches(ok, CPU_DRAFT) == []
+    assert settings.mismatches({"dtype": "auto"}, CPU_DRAFT) == []  # auto asks for nothing
+    assert settings.mismatches({"dtype": "torch.float32"}, CPU_DRAFT) == []  # same dtype, other spelling
+
+
+def test_a_changed_speculative_setting_is_named_under_speculative_config():
+    asked = {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 5}}
+    (m,) = settings.mismatches(asked, CPU_DRAFT)
+    assert "speculative_config.num_speculative_tokens" in m.message()
+
+
+def test_check_warns_once_per_setting_or_stops_when_strict():
+    warned = []
+    assert settings.check(ASKED, [CPU_DRAFT, dict(CPU_DRAFT)], strict=False, warn=warned.append) == CPU_DRAFT
+    assert len(warned) == 1 and "async_scheduling" in warned[0]
+    with pytest.raises(ConfigError, match="async_scheduling.*strict_engine_settings=false"):
+        settings.check(ASKED, [CPU_DRAFT], strict=True, warn=warned.append)
+
+
+def test_engines_that_disagree_are_an_error_naming_the_engine():
+    other = dict(CPU_DRAFT, dtype="bfloat16")
+    with pytest.raises(ConfigError, match="engine 2 runs different settings.*dtype: engine 0 'float32', engine 2 'bfloat16'"):
+        settings.agree([CPU_DRAFT, CPU_DRAFT, other])
+
+
+def test_summary_line_says_what_runs():
+    line = settings.summary_line(CPU_DRAFT, 2)
+    for part in ("2 engine(s)", "vLLM 0.32.0 on cpu", "draft_model k=3", "probabilistic", "float32", "async scheduling off", "CPU sampling fix applied"):
+        assert part in line, (part, line)
+    assert "no speculation" in settings.summary_line({k: v for k, v in CPU_DRAFT.items() if not k.startswith("speculative/")}, 1)
+
+
+def test_environment_report_runs_and_names_the_vllm_version():
+    import vllm
+
+    out = subprocess.run([sys.executable, "-m", "rl_specdec.env"], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert f"vllm: {vllm.__version__}" in out
+    assert "cores_usable:" in out and "cpu_sampling_fix_applies:" in out and "LD_PRELOAD" in out
