@@ -24,8 +24,19 @@ class SleepNotSupported(RuntimeError):
     """vLLM sleep mode is not available on this platform (CPU)."""
 
 
+class WeightIntegrityError(RuntimeError):
+    """An engine does not hold what was sent to it (a tensor with a wrong name or shape, missing, or corrupted)."""
+
+
 class PrefixSpliceError(ValueError):
     """The model's tokens cannot be spliced into the re-rendered conversation."""
 
 
-__all__ = ["ConfigError", "GenerationEngineDied", "PrefixSpliceError", "SamplingSelfCheckFailed", "SleepNotSupported"]
+__all__ = [
+    "ConfigError",
+    "GenerationEngineDied",
+    "PrefixSpliceError",
+    "SamplingSelfCheckFailed",
+    "SleepNotSupported",
+    "WeightIntegrityError",
+]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from rl_specdec.toy.build import build_tokenizer, build_toy_models
@@ -174,3 +175,54 @@ def assert_failed_start_leaves_nothing(start, class_name: str) -> None:
         return {a: s for a, s in actor_states(class_name).items() if a not in actors0}
 
     assert wait_until(lambda: new_actors() and all(s == "DEAD" for s in new_actors().values())), new_actors()
+
+
+# ---- the temperature-1 distribution test -------------------------------------------------------
+# A fixed short prompt on which the toy policy is uncertain (about 0.7-1.2 nats of
+# entropy per token; sorting prompts are nearly deterministic), many samples, 12 positions.
+DIST_PROMPT = "31"
+DIST_SAMPLES = 400
+DIST_TOKENS = 12
+
+
+def dist_samples(g, tokenizer, seed: int, n: int = DIST_SAMPLES) -> list[list[int]]:
+    """``n`` temperature-1 samples of ``DIST_TOKENS`` tokens after ``DIST_PROMPT``."""
+    from rl_specdec.generation import SamplingSettings
+
+    out = g.generate([tokenizer.encode(DIST_PROMPT)] * n, SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=seed))
+    return out.token_ids
+
+
+def position_test(a: list[list[int]], b: list[list[int]], n_pos: int = DIST_TOKENS) -> tuple[float, list[float]]:
+    """Two-sample chi-square per position (token, or END once a sequence stopped).
+
+    Returns the Bonferroni-adjusted smallest p-value over positions and the
+    raw per-position p-values. Categories seen fewer than 10 times in both
+    samples together are merged into one "rare" column.
+    """
+    from scipy.stats import chi2_contingency
+
+    END, RARE = -1, -2
+    pvals = []
+    for pos in range(n_pos):
+        ta = [s[pos] if pos < len(s) else END for s in a]
+        tb = [s[pos] if pos < len(s) else END for s in b]
+        cats = sorted(set(ta) | set(tb))
+        total = {c: ta.count(c) + tb.count(c) for c in cats}
+        keep = [c for c in cats if total[c] >= 10]
+        cols = keep + ([RARE] if len(keep) < len(cats) else [])
+        if len(cols) < 2:
+            continue
+
+        def row(ts):
+            return [sum(1 for t in ts if t == c) if c != RARE else sum(1 for t in ts if t not in keep) for c in cols]
+
+        table = np.array([row(ta), row(tb)])
+        table = table[:, table.sum(0) > 0]
+        if table.shape[1] < 2:
+            continue
+        pvals.append(float(chi2_contingency(table)[1]))
+    assert pvals, "no position had two categories: the test prompt has no randomness"
+    return min(1.0, min(pvals) * len(pvals)), pvals
+
+

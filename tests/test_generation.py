@@ -21,7 +21,21 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import NGRAM, actor_states, assert_failed_start_leaves_nothing, draft_spec, hf_greedy, hf_token_logprobs, start_engine, wait_until
+from conftest import (
+    DIST_PROMPT,
+    DIST_SAMPLES,
+    DIST_TOKENS,
+    NGRAM,
+    actor_states,
+    assert_failed_start_leaves_nothing,
+    dist_samples,
+    draft_spec,
+    hf_greedy,
+    hf_token_logprobs,
+    position_test,
+    start_engine,
+    wait_until,
+)
 from rl_specdec.generation import SamplingSettings
 from rl_specdec.errors import SamplingSelfCheckFailed, SleepNotSupported
 from rl_specdec.generation.self_check import calibration_report
@@ -32,12 +46,6 @@ pytestmark = pytest.mark.integration
 MAX_TOKENS = 40
 GREEDY = SamplingSettings(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
 
-# Temperature-1 distribution test: a fixed short prompt on which the toy policy
-# is uncertain (about 0.7-1.2 nats of entropy per token; sorting prompts are
-# nearly deterministic), many samples, 12 positions.
-DIST_PROMPT = "31"
-DIST_SAMPLES = 400
-DIST_TOKENS = 12
 
 
 # ---- engines ---------------------------------------------------------------------------
@@ -191,50 +199,9 @@ def test_identical_drafter_accepts_everything_sampled(eng_self, tokenizer):
 # ---- temperature 1: the emitted tokens follow the policy's distribution ----------------------------
 
 
-def _samples(g, tokenizer, seed):
-    out = g.generate(
-        [tokenizer.encode(DIST_PROMPT)] * DIST_SAMPLES,
-        SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=seed),
-    )
-    return out.token_ids
-
-
-def position_test(a: list[list[int]], b: list[list[int]], n_pos: int = DIST_TOKENS) -> tuple[float, list[float]]:
-    """Two-sample chi-square per position (token, or END once a sequence stopped).
-
-    Returns the Bonferroni-adjusted smallest p-value over positions and the
-    raw per-position p-values. Categories seen fewer than 10 times in both
-    samples together are merged into one "rare" column.
-    """
-    from scipy.stats import chi2_contingency
-
-    END, RARE = -1, -2
-    pvals = []
-    for pos in range(n_pos):
-        ta = [s[pos] if pos < len(s) else END for s in a]
-        tb = [s[pos] if pos < len(s) else END for s in b]
-        cats = sorted(set(ta) | set(tb))
-        total = {c: ta.count(c) + tb.count(c) for c in cats}
-        keep = [c for c in cats if total[c] >= 10]
-        cols = keep + ([RARE] if len(keep) < len(cats) else [])
-        if len(cols) < 2:
-            continue
-
-        def row(ts):
-            return [sum(1 for t in ts if t == c) if c != RARE else sum(1 for t in ts if t not in keep) for c in cols]
-
-        table = np.array([row(ta), row(tb)])
-        table = table[:, table.sum(0) > 0]
-        if table.shape[1] < 2:
-            continue
-        pvals.append(float(chi2_contingency(table)[1]))
-    assert pvals, "no position had two categories: the test prompt has no randomness"
-    return min(1.0, min(pvals) * len(pvals)), pvals
-
-
 @pytest.fixture(scope="module")
 def plain_samples(eng_none, tokenizer):
-    return _samples(eng_none, tokenizer, seed=1000)
+    return dist_samples(eng_none, tokenizer, seed=1000)
 
 
 def test_distribution_test_has_randomness(plain_samples):
@@ -247,21 +214,21 @@ def test_distribution_test_has_randomness(plain_samples):
 
 @pytest.mark.parametrize("name", ["ngram", "draft_model"])
 def test_sampled_distribution_with_speculation_equals_plain(engines, name, plain_samples, tokenizer):
-    spec = _samples(engines[name], tokenizer, seed=2000)
+    spec = dist_samples(engines[name], tokenizer, seed=2000)
     p, per_pos = position_test(plain_samples, spec)
     assert p > 1e-3, f"{name}: token distribution differs from no speculation (adjusted p={p:.2e}; per position {per_pos})"
 
 
 def test_distribution_test_detects_the_cpu_bug(eng_nofix, plain_samples, tokenizer):
     """With the fix off, draft_model speculation at temperature 1 emits the wrong tokens."""
-    broken = _samples(eng_nofix, tokenizer, seed=2000)
+    broken = dist_samples(eng_nofix, tokenizer, seed=2000)
     p, _ = position_test(plain_samples, broken)
     assert p < 1e-6, f"the distribution test did not detect the vLLM-CPU expand bug (adjusted p={p:.2e})"
 
 
 def test_two_plain_samples_pass(eng_none, plain_samples, tokenizer):
     """Sanity of the statistic: two independent samples from the same engine pass."""
-    p, _ = position_test(plain_samples, _samples(eng_none, tokenizer, seed=3000))
+    p, _ = position_test(plain_samples, dist_samples(eng_none, tokenizer, seed=3000))
     assert p > 1e-3
 
 

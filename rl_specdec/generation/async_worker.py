@@ -187,14 +187,15 @@ class AsyncVllmWorker(VllmWorkerBase):
         return counters_from_snapshot(get_metrics_snapshot())
 
     # ---- weights and lifecycle ------------------------------------------------------------
-    async def update_weights(self, state_dict: dict[str, Any]) -> float:
-        """Load a Hugging Face-named state dict into the target model, then reset the prefix cache."""
+    async def update_weights(self, state_dict: dict[str, Any], target: str = "policy") -> dict[str, Any]:
+        """As the synchronous worker's; the weights cross to the engine-core process packed."""
         from rl_specdec.generation.weights import pack
 
         t0 = time.time()
-        await self.engine.collective_rpc("rl_specdec_load_weights", args=(pack(state_dict),))
-        await self.engine.reset_prefix_cache()
-        return time.time() - t0
+        report = (await self.engine.collective_rpc("rl_specdec_load_weights", args=(pack(state_dict), target)))[0]
+        if not report["problems"]:
+            await self.engine.reset_prefix_cache()
+        return {**report, "time_s": time.time() - t0}
 
     async def reset_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()

@@ -7,7 +7,9 @@ whose methods the engine's owner calls by name with
 attribute chains: whatever rl_specdec does inside the engine is here.
 
 * :class:`RlSpecdecExtension`: start-up facts (is the CPU fix in place, is the
-  rejection sampler's expand path right) and weight reload into the target.
+  rejection sampler's expand path right), the settings the engine really runs,
+  and weight reload into the target model or the drafter, checked before
+  anything is loaded (:mod:`~rl_specdec.generation.weights`).
 * :data:`EXECUTOR_NAME`: for ``AsyncLLM``, whose engine core always runs in a
   separate (spawned) process, a ``UniProcExecutor`` subclass that applies the
   CPU fix in that process before the worker is built. It is passed as the
@@ -77,13 +79,41 @@ class RlSpecdecExtension:
             })
         return out
 
-    def rl_specdec_load_weights(self, weights: list[Any]) -> int:
-        """Reload the target model from HF-named weights (packed or ``(name, tensor)``); returns the count."""
-        from rl_specdec.generation.weights import unpack
+    def _rl_specdec_expected(self, target: str):
+        from rl_specdec.generation.weights import expected_tensors
 
+        cache = self.__dict__.setdefault("_rl_specdec_expected_cache", {})
+        if target not in cache:
+            c = self.vllm_config
+            hf = c.model_config.hf_config if target == "policy" else c.speculative_config.draft_model_config.hf_config
+            cache[target] = expected_tensors(hf)
+        return cache[target]
+
+    def rl_specdec_load_weights(self, weights: list[Any], target: str = "policy") -> dict[str, Any]:
+        """Load HF-named weights (packed or ``(name, tensor)``) into the target model or the drafter.
+
+        Nothing is loaded if any tensor is unknown, mis-shaped or missing: the
+        problems come back instead. Returns ``{"loaded", "checksum", "problems"}``.
+        """
+        from rl_specdec.generation.weights import checksum, problems, unpack
+
+        if target not in ("policy", "drafter"):
+            raise ValueError(f"target must be 'policy' or 'drafter', got {target!r}")
+        if target == "drafter" and getattr(getattr(self.model_runner, "drafter", None), "model", None) is None:
+            return {"loaded": 0, "checksum": None, "problems": ["this engine has no drafter model (speculative_config.method without a model)"]}
         pairs = unpack(weights)
-        self.reload_weights(weights_iterator=pairs, is_checkpoint_format=True)
-        return len(pairs)
+        found = problems(self._rl_specdec_expected(target), pairs)
+        if found:
+            return {"loaded": 0, "checksum": checksum(pairs), "problems": found}
+        if target == "policy":
+            self.reload_weights(weights_iterator=pairs, is_checkpoint_format=True)
+        else:
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+            with set_current_vllm_config(self.vllm_config):  # the drafter's in-place reload (CPU repacks after it)
+                reload_weights(self.vllm_config, self.model_runner.drafter.model, pairs, None, is_checkpoint_format=True)
+        return {"loaded": len(pairs), "checksum": checksum(pairs), "problems": []}
 
 
 def _make_executor_class():

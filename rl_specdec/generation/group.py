@@ -28,7 +28,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_specdec.errors import GenerationEngineDied, SamplingSelfCheckFailed
-from rl_specdec.generation import settings
+from rl_specdec.generation import settings, weights
 from rl_specdec.generation.async_worker import AsyncVllmWorker, per_prompt
 from rl_specdec.generation.config import ClusterConfig, GenerationConfig
 from rl_specdec.generation.interfaces import GenerationOutput, SamplingSettings
@@ -37,6 +37,11 @@ from rl_specdec.generation.self_check import CalibrationReport, calibration_repo
 from rl_specdec.generation.worker import VllmWorker
 
 logger = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0)
+def _checksum_of(state_dict: dict[str, Any]) -> str:
+    return weights.checksum(state_dict)
 
 
 class VllmGeneration:
@@ -131,13 +136,19 @@ class VllmGeneration:
             )
         return report
 
-    def update_weights(self, state_dict: dict[str, Any] | ray.ObjectRef) -> float:
-        """Refit every engine's target model from an HF-named state dict (or an ObjectRef to one).
+    def update_weights(self, state_dict: dict[str, Any] | ray.ObjectRef, target: str = "policy") -> float:
+        """Refit every engine's target model (or its drafter) from an HF-named state dict or an ObjectRef to one.
 
-        The dict is put in Ray's object store once and every engine reads it from there.
+        The dict is put in Ray's object store once and every engine reads it from
+        there. Fail-closed: an engine that cannot take every tensor loads none and
+        this raises ``WeightIntegrityError`` naming the engine and the tensor; so
+        does a checksum that differs from the sender's. Returns seconds.
         """
         ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(state_dict)
-        return max(self._get([w.update_weights.remote(ref) for w in self.workers]))
+        sent = _checksum_of.remote(ref)  # what was sent, computed beside the engines' loads
+        reports = self._get([w.update_weights.remote(ref, target) for w in self.workers])
+        weights.verify_reports(reports, target, ray.get(sent))
+        return max(r["time_s"] for r in reports)
 
     def reset_prefix_cache(self) -> None:
         self._get([w.reset_prefix_cache.remote() for w in self.workers])

@@ -109,8 +109,11 @@ class RolloutEngine(Protocol):
         """Raise ``SamplingSelfCheckFailed`` unless temperature-1 samples follow the policy."""
         ...
 
-    def update_weights(self, state_dict: Any) -> float:
-        """Load HF-named target weights into every engine; returns seconds."""
+    def update_weights(self, state_dict: Any, target: str = "policy") -> float:
+        """Load HF-named weights into every engine's target model (or ``target="drafter"``: its drafter).
+
+        Verified: raises ``WeightIntegrityError`` unless every engine holds what was sent. Returns seconds.
+        """
         ...
 
     def reset_prefix_cache(self) -> None: ...

@@ -187,12 +187,16 @@ class VllmWorker(VllmWorkerBase):
         """vLLM's cumulative spec-decode counters over the engine's life (all traffic); {} without speculation."""
         return counters_from_snapshot(self.llm.get_metrics())
 
-    def update_weights(self, state_dict: dict[str, Any]) -> float:
-        """Load a Hugging Face-named state dict into the target model, then reset the prefix cache."""
+    def update_weights(self, state_dict: dict[str, Any], target: str = "policy") -> dict[str, Any]:
+        """Load an HF-named state dict into the target model or the drafter; reset the prefix cache.
+
+        Returns the engine's report (``loaded``, ``checksum``, ``problems``, ``time_s``).
+        """
         t0 = time.time()
-        self.llm.collective_rpc("rl_specdec_load_weights", args=(list(state_dict.items()),))
-        self.llm.reset_prefix_cache()  # cached KV computed with the old weights is wrong for the new ones
-        return time.time() - t0
+        report = self.llm.collective_rpc("rl_specdec_load_weights", args=(list(state_dict.items()), target))[0]
+        if not report["problems"]:
+            self.llm.reset_prefix_cache()  # cached KV computed with the old weights is wrong for the new ones
+        return {**report, "time_s": time.time() - t0}
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
