@@ -36,6 +36,8 @@ from rl_specdec.generation.config import ClusterConfig, GenerationConfig
 
 TOY_PREFIX = "toy:"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# toy:<name> -> the ToyModels attribute holding its folder
+TOY_MODELS = {"policy": "policy", "drafter": "drafter", "drafter-untrained": "drafter_untrained"}
 
 
 @dataclass
@@ -249,6 +251,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r} must be offline, online or disabled")
     _positive("checkpoint.every", cfg.checkpoint.every)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
+    validate_speculation_care(gen)
     from rl_specdec.environments import TASKS
 
     if cfg.env.name not in TASKS:
@@ -257,12 +260,49 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"cluster.placement_strategy={cfg.cluster.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
 
 
+# Why online drafter training covers draft_model only (docs/speculative_decoding.md, "The drafter's lifecycle").
+NOT_TRAINABLE = {
+    "ngram": "proposes from the prompt and history: there is no drafter model to train",
+    "ngram_gpu": "proposes from the prompt and history: there is no drafter model to train",
+    "suffix": "proposes from a suffix tree of past outputs: there is no drafter model to train",
+    "eagle": "trains on the target's hidden states, which vLLM's rollouts do not return; refit a head trained elsewhere",
+    "eagle3": "trains on the target's hidden states, which vLLM's rollouts do not return; refit a head trained elsewhere",
+    "mtp": "its heads are part of the policy checkpoint and are refit with the policy",
+}
+
+
+def validate_speculation_care(gen: GenerationConfig) -> None:
+    """drafter_training and acceptance_canary: values, and whether the speculation method has a trainable drafter."""
+    d, c, key = gen.drafter_training, gen.acceptance_canary, "policy.generation"
+    if c.action not in ("warn", "disable", "fail"):
+        raise ConfigError(f"{key}.acceptance_canary.action={c.action!r} must be warn, disable or fail")
+    if not 0 < c.min_ratio < 1:
+        raise ConfigError(f"{key}.acceptance_canary.min_ratio={c.min_ratio} must be in (0, 1); 0.5 trips at half the usual acceptance")
+    _positive(f"{key}.acceptance_canary.window", c.window)
+    if not d.enabled:
+        return
+    for name in ("learning_rate", "steps_per_update", "every", "micro_batch_size"):
+        _positive(f"{key}.drafter_training.{name}", getattr(d, name))
+    if not 1 <= d.top_k <= 20:
+        raise ConfigError(f"{key}.drafter_training.top_k={d.top_k} must be in 1..20 (vLLM returns at most 20 log-probs per token)")
+    spec = gen.vllm_kwargs.get("speculative_config") or {}
+    method = spec.get("method")
+    if method is None:
+        raise ConfigError(f"{key}.drafter_training.enabled=true needs speculation: set {key}.vllm_kwargs.speculative_config (method: draft_model)")
+    if method != "draft_model":
+        why = NOT_TRAINABLE.get(method, "is not a draft_model drafter")
+        raise ConfigError(
+            f"{key}.drafter_training.enabled=true with speculative_config.method={method!r}: {method} {why}. "
+            f"Online drafter training needs method: draft_model; set {key}.drafter_training.enabled=false for {method}."
+        )
+
+
 def _resolve_one(name: str, key: str, toy_paths) -> str:
     if name.startswith(TOY_PREFIX):
         which = name[len(TOY_PREFIX):]
-        if which not in ("policy", "drafter"):
-            raise ConfigError(f"{key}={name!r}: the embedded models are 'toy:policy' and 'toy:drafter'")
-        return str(getattr(toy_paths(), which))
+        if which not in TOY_MODELS:
+            raise ConfigError(f"{key}={name!r}: the embedded models are {', '.join('toy:' + m for m in TOY_MODELS)}")
+        return str(getattr(toy_paths(), TOY_MODELS[which]))
     looks_local = name.startswith(("/", "./", "../", "~")) or os.path.exists(name)
     if looks_local and not Path(os.path.expanduser(name)).is_dir():
         raise ConfigError(f"{key}={name!r} is not a directory; give a local Hugging Face model folder or a hub id")

@@ -28,6 +28,10 @@ class WeightIntegrityError(RuntimeError):
     """An engine does not hold what was sent to it (a tensor with a wrong name or shape, missing, or corrupted)."""
 
 
+class SpecDecodeCanaryTripped(RuntimeError):
+    """Acceptance collapsed right after a refit and ``acceptance_canary.action`` is ``fail``."""
+
+
 class PrefixSpliceError(ValueError):
     """The model's tokens cannot be spliced into the re-rendered conversation."""
 
@@ -38,5 +42,6 @@ __all__ = [
     "PrefixSpliceError",
     "SamplingSelfCheckFailed",
     "SleepNotSupported",
+    "SpecDecodeCanaryTripped",
     "WeightIntegrityError",
 ]

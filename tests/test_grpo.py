@@ -51,6 +51,9 @@ def _train(log_dir, *extra):
 
 
 ASYNC_ON = "policy.generation.vllm_kwargs.async_scheduling=true"  # asked for; vLLM's CPU platform drops it
+DUMMY = "policy.generation.vllm_kwargs.load_format=dummy"  # random engine weights until the first sync
+DRAFTER_ON = "policy.generation.drafter_training.enabled=true"
+DRAFTER_KEYS = ["drafter/loss", "drafter/kl", "drafter/version", "timing/drafter_train", "timing/drafter_wait", "timing/drafter_refit"]
 
 
 class _Collect(logging.Handler):
@@ -68,7 +71,7 @@ def uninterrupted(tmp_path_factory):
     warnings = _Collect()
     logging.getLogger("rl_specdec").addHandler(warnings)
     try:
-        _train(d, "grpo.max_steps=4", ASYNC_ON)
+        _train(d, "grpo.max_steps=4", ASYNC_ON, DUMMY, DRAFTER_ON)
     finally:
         logging.getLogger("rl_specdec").removeHandler(warnings)
     (d / "warnings.txt").write_text("\n".join(warnings.messages))
@@ -94,9 +97,44 @@ def test_metrics_jsonl_has_every_key_finite(uninterrupted):
         d50, d90, d100 = (r[f"generation/time_to_{p}pct_done"] for p in (50, 90, 100))
         assert 0.0 < d50 <= d90 <= d100 <= r["timing/generation"], r
     assert "val/accuracy" in rows[1] and "val/accuracy" in rows[3]
+    for r in rows:  # the drafter trained and was refit at every step
+        for k in DRAFTER_KEYS:
+            assert k in r and r[k] is not None and math.isfinite(r[k]), (r["step"], k)
+        assert r["spec_decode/canary"] == 0.0
+    assert [r["drafter/version"] for r in rows] == [1, 2, 3, 4]
     baseline = _rows(uninterrupted, with_baseline=True)[0]
     assert baseline["step"] == 0 and "val/accuracy" in baseline
     assert baseline["self_check/p_value"] > 1e-6
+
+
+def test_step_zero_validation_comes_from_the_trainers_weights(uninterrupted, hf_policy, tokenizer):
+    """The engines started from random (dummy) weights; the sync before the first rollout must make the
+    step-0 validation exactly what the real policy gives (greedy, transformers)."""
+    from conftest import hf_greedy
+    from rl_specdec.algorithms.grpo import VAL_SEED
+    from rl_specdec.environments import make_task
+
+    cfg = load_config(ROOT / "configs/grpo_spec.yaml", SMALL)
+    samples = make_task(cfg.env.name, **cfg.env.kwargs).validation_batch(seed=VAL_SEED, n=cfg.grpo.val_num_prompts)
+    outs = hf_greedy(hf_policy, [tokenizer.encode(s.prompt) for s in samples], cfg.policy.generation.max_new_tokens)
+    want = sum(o[-1:] == [tokenizer.eos_token_id] and tokenizer.decode(o[:-1]) == s.answer for o, s in zip(outs, samples)) / len(samples)
+    baseline = _rows(uninterrupted, with_baseline=True)[0]
+    assert baseline["val/accuracy"] == pytest.approx(want, abs=1e-9)
+    assert want > 0, "the real toy policy solves some validation problems; 0 would not tell dummy from real weights"
+
+
+def test_resume_continues_with_the_trained_drafter(uninterrupted, tmp_path):
+    """The checkpoint holds the drafter's weights and optimizer: a resumed run goes on from drafter version 2."""
+    import shutil
+
+    d = tmp_path / "resumed"
+    shutil.copytree(uninterrupted, d, ignore=shutil.ignore_patterns("wandb"))
+    shutil.rmtree(d / "checkpoints" / "step_000004")
+    assert (d / "checkpoints" / "step_000002" / "drafter" / "model").is_dir()
+    _train(d, "grpo.max_steps=3", "resume=true", DRAFTER_ON, "logger.wandb.enabled=false")
+    rows = _rows(d)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[2]["drafter/version"] == 3, "the resumed drafter started over instead of continuing from step 2"
 
 
 def test_engine_yaml_says_what_the_engine_runs(uninterrupted):
@@ -107,6 +145,7 @@ def test_engine_yaml_says_what_the_engine_runs(uninterrupted):
     assert engine["async_scheduling"] is False
     assert engine["speculative/method"] == "draft_model" and engine["speculative/num_speculative_tokens"] == 3
     assert engine["backend"] == "cpu" and engine["cpu_expand_fix"] is True and engine["dtype"] == "float32"
+    assert engine["load_format"] == "dummy"
     warned = [m for m in (Path(uninterrupted) / "warnings.txt").read_text().splitlines() if "the engine runs" in m]
     assert len(warned) == 1 and "vllm_kwargs.async_scheduling: requested True, the engine runs False" in warned[0], warned
     assert "vllm: " in (Path(uninterrupted) / "env.txt").read_text()

@@ -44,6 +44,7 @@ import torch
 from rl_specdec.algorithms.advantages import group_advantages
 from rl_specdec.algorithms.batch import Trajectory, build_train_batch, select_for_training
 from rl_specdec.algorithms.checkpoint import CheckpointManager
+from rl_specdec.algorithms.drafter_upkeep import DrafterUpkeep
 from rl_specdec.algorithms.loss import ClippedPGLoss
 from rl_specdec.config import RunConfig, resolve_dtype, to_dict
 from rl_specdec.environments import Sample, Task, make_task
@@ -70,11 +71,12 @@ class GRPORun:
     checkpoints: CheckpointManager | None
     loss_fn: ClippedPGLoss
     timer: Timer
+    drafter: DrafterUpkeep
     start_step: int = 0
 
     def shutdown(self) -> None:
         self.metrics.finish()
-        for part in (self.generation, self.policy):
+        for part in (self.generation, self.policy, self.drafter):
             try:
                 part.shutdown()
             except Exception:  # a dead actor needs no shutdown
@@ -94,27 +96,28 @@ def setup(cfg: RunConfig) -> GRPORun:
     # first, so that a bad wandb setting fails in seconds, before any engine starts
     metrics = MetricsLogger(cfg.logger.log_dir, to_dict(cfg), cfg.logger.wandb, resume=latest is not None)
     try:
-        generation, policy = _start_workers(cfg)
+        generation, policy, drafter = _start_workers(cfg)
     except BaseException:
         metrics.finish()
         raise
     run = GRPORun(
         cfg, AutoTokenizer.from_pretrained(cfg.policy.model_name), make_task(cfg.env.name, **cfg.env.kwargs),
-        policy, generation, metrics, checkpoints, ClippedPGLoss(cfg.grpo.clip_eps, cfg.grpo.kl_coef), Timer(),
+        policy, generation, metrics, checkpoints, ClippedPGLoss(cfg.grpo.clip_eps, cfg.grpo.kl_coef), Timer(), drafter,
     )
     try:
         record_environment(run)
         if latest is not None:
             run.start_step = _resume(run, *latest)
-        # the engines hold exactly the trainer's weights before the first rollout (dummy-loaded or not)
+        # the engines hold exactly the trainers' weights before the first rollout (dummy-loaded or not)
         generation.update_weights(policy.state_dict_for_refit())
+        drafter.sync(generation)
     except BaseException:
         run.shutdown()
         raise
     return run
 
 
-def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface]:
+def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface, DrafterUpkeep]:
     from rl_specdec.generation.group import VllmGeneration
     from rl_specdec.generation.placement import cluster_has_gpus, init_ray
     from rl_specdec.policy import RayPolicy
@@ -136,10 +139,11 @@ def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface]:
             seed=cfg.seed,
             num_threads=cfg.policy.num_threads,
         )
+        drafter = DrafterUpkeep.create(cfg, on_gpu)
     except BaseException:
         generation.shutdown()
         raise
-    return generation, policy
+    return generation, policy, drafter
 
 
 def record_environment(run: GRPORun) -> None:
@@ -160,6 +164,7 @@ def record_environment(run: GRPORun) -> None:
 def _resume(run: GRPORun, path: Path, state: dict[str, Any]) -> int:
     """Load the checkpoint's policy; keep metrics.jsonl up to its step (restoring that step's row)."""
     run.policy.load_checkpoint(str(path / "policy"))
+    run.drafter.load(path)
     step = int(state["step"])
     run.metrics.truncate_after(step)
     if state.get("metrics") and step not in run.metrics.logged_steps():
@@ -227,8 +232,12 @@ def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
         prompt_ids = [ids for s in samples for ids in [run.tokenizer.encode(s.prompt)] * G]  # [P*G]
 
     with timer("generation"):  # 2. rollouts; the call's spec-decode counters come with them
-        sampling = SamplingSettings.from_config(run.cfg.policy.generation, seed=run.cfg.seed * 1_000_003 + step * 10_007)
+        seed = run.cfg.seed * 1_000_003 + step * 10_007
+        sampling = SamplingSettings.from_config(run.cfg.policy.generation, seed=seed, logprobs=run.drafter.top_k(step))
         out = run.generation.generate(prompt_ids, sampling)
+    spec = compute_spec_decode_metrics(None, out.spec_counters)
+    spec.update(run.drafter.check(spec, run.generation))  # the acceptance canary
+    run.drafter.after_generation(step, prompt_ids, out, run.tokenizer.pad_token_id)  # may overlap the policy's update
 
     with timer("reward"):  # 3. rewards
         rewards, correct = score(run, group_samples, out)  # [P*G], [P*G]
@@ -241,17 +250,18 @@ def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
         batch = build_train_batch(trajectories, advantages[keep], run.tokenizer.pad_token_id)
         train_metrics = run.policy.train_step(batch, run.loss_fn)
 
-    with timer("refit"):  # 6. the engines' target model gets the new weights
+    with timer("refit"):  # 6. the engines' target model gets the new weights (verified)
         run.generation.update_weights(run.policy.state_dict_for_refit())
+    spec.update(run.drafter.after_refit(run.generation, timer))  # and the drafter, when it trained
 
     val_metrics = {}
     if due(step + 1, g.val_every, g.max_steps):  # 7. validation
         with timer("validation"):
             val_metrics = validate(run)
-    return step_metrics(out, rewards, correct, advantages, len(keep), train_metrics, val_metrics, timer.pop())
+    return step_metrics(out, rewards, correct, advantages, len(keep), train_metrics, {**spec, **val_metrics}, timer.pop())
 
 
-def step_metrics(out, rewards, correct, advantages, num_trained, train_metrics, val_metrics, times) -> dict[str, float]:
+def step_metrics(out, rewards, correct, advantages, num_trained, train_metrics, extra, times) -> dict[str, float]:
     """The flat ``/``-prefixed metric dict of one step."""
     lengths = torch.tensor([len(t) for t in out.token_ids], dtype=torch.float)  # [P*G]
     return {
@@ -267,8 +277,7 @@ def step_metrics(out, rewards, correct, advantages, num_trained, train_metrics, 
         "generation/response_length_max": lengths.max().item(),
         "generation/truncated_fraction": sum(r == "length" for r in out.finish_reasons) / len(out.finish_reasons),
         **tail_metrics(out),
-        **compute_spec_decode_metrics(None, out.spec_counters),
-        **val_metrics,
+        **extra,  # spec_decode/*, drafter/*, val/*
         **times,
     }
 
@@ -282,7 +291,12 @@ def tail_metrics(out: GenerationOutput) -> dict[str, float]:
 def save_checkpoint(run: GRPORun, step: int, row: dict[str, Any]) -> None:
     """Atomic checkpoint after ``step`` steps; it carries the step's metric row, so a crash before logging loses nothing."""
     state = {"step": step, "data_position": step, "seed": run.cfg.seed, "metrics": row}
-    run.checkpoints.save(step, lambda path: run.policy.save_checkpoint(str(Path(path) / "policy")), state)
+
+    def save(path: str) -> None:
+        run.policy.save_checkpoint(str(Path(path) / "policy"))
+        run.drafter.save(Path(path))
+
+    run.checkpoints.save(step, save, state)
 
 
 def baseline(run: GRPORun) -> None:

@@ -16,6 +16,28 @@ class ClusterConfig:
 
 
 @dataclass
+class DrafterTrainingConfig:
+    """Online distillation of a draft_model drafter towards the policy (rl_specdec.drafter)."""
+
+    enabled: bool = False
+    learning_rate: float = 1e-3
+    steps_per_update: int = 1  # optimizer steps on each training step's rollouts
+    every: int = 1  # train and refit the drafter every N GRPO steps
+    top_k: int = 8  # policy log-probs per generated token, returned by vLLM with the rollouts (<= 20)
+    micro_batch_size: int = 128
+    overlap: bool = True  # train in the drafter's own actor while the policy updates
+
+
+@dataclass
+class CanaryConfig:
+    """Acceptance collapse right after a refit: see rl_specdec.spec_decode.canary."""
+
+    action: str = "warn"  # warn | disable (speculation off for the rest of the run) | fail
+    min_ratio: float = 0.5  # trips below min_ratio x the running median acceptance rate
+    window: int = 20  # healthy steps in the running median
+
+
+@dataclass
 class GenerationConfig:
     """One data-parallel group of vLLM engines."""
 
@@ -34,5 +56,7 @@ class GenerationConfig:
     # vLLM may run a setting other than the one asked for (on CPU it turns async_scheduling
     # off). false: warn once per such setting; true: stop before the first step.
     strict_engine_settings: bool = False
+    drafter_training: DrafterTrainingConfig = field(default_factory=DrafterTrainingConfig)
+    acceptance_canary: CanaryConfig = field(default_factory=CanaryConfig)
     # Passed to vllm.LLM(...) as-is (speculative_config included), after validation.
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -73,6 +73,11 @@ class ToyModels:
         self.policy = self.root / "policy"
         self.drafter = self.root / "drafter"
 
+    @property
+    def drafter_untrained(self) -> Path:
+        """The toy drafter's architecture with random weights (``toy:drafter-untrained``): a cold start."""
+        return build_untrained_drafter(self)
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("RL_SPECDEC_CACHE", Path.home() / ".cache" / "rl_specdec"))
@@ -211,6 +216,31 @@ def build_toy_models(cfg: ToyBuildConfig | None = None, root: Path | None = None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"[toy] built in {time.time() - t0:.0f}s")
+    return out
+
+
+def build_untrained_drafter(models: ToyModels, seed: int = 12345) -> Path:
+    """A randomly initialised copy of the toy drafter's architecture, cached beside it."""
+    import torch
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    out = models.root / "drafter-untrained"
+    if (out / "DONE").exists():
+        return out
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(AutoConfig.from_pretrained(models.drafter))
+    tmp = Path(tempfile.mkdtemp(dir=models.root, prefix=".drafter-untrained-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        build_tokenizer().save_pretrained(tmp)
+        (tmp / "DONE").write_text("random init\n")
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process made it first
+            if not (out / "DONE").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
