@@ -88,7 +88,7 @@ def task_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
     return [tokenizer.encode(s.prompt) for s in SortingTask().make_batch(seed=seed, n=n)]
 
 
-def start(models, method: str, args, num_engines: int, cpus_per_engine: int, k: int | None = None):
+def start(models, method: str, args, num_engines: int, cpus_per_engine: int, k: int | None = None, env_vars: dict | None = None):
     from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
     from rl_specdec.generation.group import VllmGeneration
     from rl_specdec.toy.presets import toy_engine_kwargs
@@ -96,7 +96,7 @@ def start(models, method: str, args, num_engines: int, cpus_per_engine: int, k: 
     kw = toy_engine_kwargs(dtype=args.dtype, enforce_eager=bool(args.eager))
     k = args.k if k is None else k
     kw = validate_vllm_kwargs({**kw, "speculative_config": spec_for(method, str(models.drafter), k, args.schedule)}, str(models.policy))
-    cfg = GenerationConfig(num_engines=num_engines, cpus_per_engine=cpus_per_engine, vllm_kwargs=kw, self_check=False)
+    cfg = GenerationConfig(num_engines=num_engines, cpus_per_engine=cpus_per_engine, vllm_kwargs=kw, self_check=False, env_vars=dict(env_vars or {}))
     t0 = time.time()
     g = VllmGeneration(str(models.policy), cfg)
     log(f"  started {method} k={k} ({num_engines} x {cpus_per_engine} cores) in {time.time() - t0:.0f}s")

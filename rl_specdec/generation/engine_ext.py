@@ -55,6 +55,7 @@ class RlSpecdecExtension:
             "vllm_version": vllm.__version__,
             "backend": str(current_platform.device_type),
             "cpu_expand_fix": cpu_patches.is_patched(),
+            "cpu_top_k_fix": cpu_patches.top_k_is_patched(),
             "async_scheduling": bool(sched.async_scheduling),
             "dtype": str(model.dtype).removeprefix("torch."),
             "max_num_batched_tokens": sched.max_num_batched_tokens,
