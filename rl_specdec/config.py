@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from rl_specdec.errors import ConfigError
+from rl_specdec.generation import speculation_control
 from rl_specdec.generation.config import ClusterConfig, GenerationConfig
 
 TOY_PREFIX = "toy:"
@@ -272,13 +273,14 @@ NOT_TRAINABLE = {
 
 
 def validate_speculation_care(gen: GenerationConfig) -> None:
-    """drafter_training and acceptance_canary: values, and whether the speculation method has a trainable drafter."""
+    """drafter_training, acceptance_canary and speculation_control: values, and what the speculation method allows."""
     d, c, key = gen.drafter_training, gen.acceptance_canary, "policy.generation"
     if c.action not in ("warn", "disable", "fail"):
         raise ConfigError(f"{key}.acceptance_canary.action={c.action!r} must be warn, disable or fail")
     if not 0 < c.min_ratio < 1:
         raise ConfigError(f"{key}.acceptance_canary.min_ratio={c.min_ratio} must be in (0, 1); 0.5 trips at half the usual acceptance")
     _positive(f"{key}.acceptance_canary.window", c.window)
+    speculation_control.validate(gen)
     if not d.enabled:
         return
     for name in ("learning_rate", "steps_per_update", "every", "micro_batch_size"):

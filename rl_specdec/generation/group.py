@@ -28,7 +28,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_specdec.errors import GenerationEngineDied, SamplingSelfCheckFailed
-from rl_specdec.generation import settings, weights
+from rl_specdec.generation import settings, speculation_control, weights
 from rl_specdec.generation.async_worker import AsyncVllmWorker, per_prompt
 from rl_specdec.generation.config import ClusterConfig, GenerationConfig
 from rl_specdec.generation.interfaces import GenerationOutput, SamplingSettings
@@ -73,8 +73,9 @@ class VllmGeneration:
             ]
             self.placements = self._get([w.placement.remote() for w in self.workers])
             binds = [None] * config.num_engines if on_gpu else assign_cpu_binds(self.placements, config.cpus_per_engine)
+            control = speculation_control.as_dict(config.speculation_control)
             self.engine_info = self._get(
-                [w.start_engine.remote(model, config.vllm_kwargs, seed, b, **start_kwargs) for w, b in zip(self.workers, binds)]
+                [w.start_engine.remote(model, config.vllm_kwargs, seed, b, control=control, **start_kwargs) for w, b in zip(self.workers, binds)]
             )
             # what the engines really run; a setting vLLM did not honour is a warning (or, strict, an error)
             self.settings = settings.check(
@@ -152,6 +153,23 @@ class VllmGeneration:
 
     def reset_prefix_cache(self) -> None:
         self._get([w.reset_prefix_cache.remote() for w in self.workers])
+
+    def set_speculation(self, k_max: int) -> None:
+        """At most ``k_max`` drafted tokens from now on, in every engine; 0 turns speculation off at no cost.
+
+        Needs ``speculation_control.mode`` fixed (k becomes ``k_max`` everywhere) or
+        adaptive (the controller never chooses more than ``k_max``).
+        """
+        if not speculation_control.is_on(self.config.speculation_control):
+            raise RuntimeError(
+                "set_speculation needs run-time k: set policy.generation.speculation_control.mode to fixed or adaptive "
+                "(speculation_control.mode=off runs vLLM's k as configured)"
+            )
+        self._get([w.set_speculation.remote(int(k_max)) for w in self.workers])
+
+    def engine_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method`` of every engine's extension (``collective_rpc``); one result per engine. For tools and tests."""
+        return [r[0] for r in self._get([w.engine_rpc.remote(method, *args, **kwargs) for w in self.workers])]
 
     def engine_counters(self) -> list[dict[str, Any]]:
         """Each engine's cumulative spec-decode counters (all its traffic); for tools and tests.
