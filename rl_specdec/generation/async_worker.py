@@ -205,6 +205,10 @@ class AsyncVllmWorker(VllmWorkerBase):
         """k (0: off) everywhere, or the controller's cap; see ``RolloutEngine.set_speculation``."""
         return (await self.engine_rpc("rl_specdec_spec_set_k_max", int(k)))[0]
 
+    async def check_spec_control(self) -> dict[str, Any] | None:
+        """Run the start-up self-check of run-time k again (raises ConfigError if the fast path fails it)."""
+        return await self._drive(self._control_script(self.control, self.control_on))
+
     async def engine_counters(self) -> dict[str, Any]:
         """vLLM's cumulative spec-decode counters in this process's registry (all traffic, HTTP included)."""
         from vllm.v1.metrics.reader import get_metrics_snapshot

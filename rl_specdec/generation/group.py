@@ -167,6 +167,10 @@ class VllmGeneration:
             )
         self._get([w.set_speculation.remote(int(k_max)) for w in self.workers])
 
+    def check_spec_control(self) -> None:
+        """Run every engine's start-up self-check of the k=0 fast path again; raises ConfigError where it fails."""
+        self._get([w.check_spec_control.remote() for w in self.workers])
+
     def engine_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` of every engine's extension (``collective_rpc``); one result per engine. For tools and tests."""
         return [r[0] for r in self._get([w.engine_rpc.remote(method, *args, **kwargs) for w in self.workers])]

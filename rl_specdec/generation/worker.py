@@ -44,6 +44,7 @@ class VllmWorkerBase:
     platform = "unknown"
     sleep_available = False
     control_on = False  # run-time k installed (speculation_control.mode fixed or adaptive)
+    control: dict[str, Any] | None = None
 
     # ---- placement and process set-up ------------------------------------------------
     def placement(self) -> dict[str, Any]:
@@ -104,7 +105,7 @@ class VllmWorkerBase:
         ("generate", prompts) requests that each worker drives with its own engine calls."""
         from rl_specdec.generation.engine.control import SpecControl
 
-        self.control_on = speculation_control.is_on(control) and spec_on
+        self.control, self.control_on = control, speculation_control.is_on(control) and spec_on
         if not self.control_on:
             return None
         info = yield ("rpc", "rl_specdec_spec_install", (speculation_control.as_dict(control),))
@@ -243,6 +244,10 @@ class VllmWorker(VllmWorkerBase):
     def set_speculation(self, k: int) -> list[int]:
         """k (0: off) everywhere, or the controller's cap; see ``RolloutEngine.set_speculation``."""
         return self.engine_rpc("rl_specdec_spec_set_k_max", int(k))[0]
+
+    def check_spec_control(self) -> dict[str, Any] | None:
+        """Run the start-up self-check of run-time k again (raises ConfigError if the fast path fails it)."""
+        return self._drive(self._control_script(self.control, self.control_on))
 
     def engine_counters(self) -> dict[str, Any]:
         """vLLM's cumulative spec-decode counters over the engine's life (all traffic); {} without speculation."""

@@ -52,6 +52,7 @@ class SpecControl:
         )
         self.ranges = bucket_ranges(self.settings.buckets, self.settings.max_batch)
         self.controller: Controller | None = None
+        self.started = False
         self.tally = Tally()
         self._stats0 = dict(self.fp.stats)
 
@@ -66,8 +67,11 @@ class SpecControl:
         )
 
     def start(self) -> None:
-        """After the self-check: the controller (adaptive) or the tally (fixed) starts listening."""
+        """After the self-check: the controller (adaptive) or the tally (fixed) starts listening (once)."""
         self._stats0 = dict(self.fp.stats)
+        if self.started:
+            return
+        self.started = True
         if self.mode == "adaptive":
             self.controller = Controller(self.settings, list(self.sched.dynamic_sd_lookup))
             self.fp.listeners.append(self._control_step)

@@ -6,7 +6,7 @@ engine step and answers with the scheduler's batch-size -> k lookup.
 **What it learns.**
 
 * *Step cost*: the wall time of an engine step as a linear function of
-  features of the step, fitted by ridge least squares in which each kind of
+  features of the step, fitted by ridge least squares on relative errors in which each kind of
   step (k verified, k drafted) forgets over its own last ``memory_steps``
   steps::
 
@@ -33,10 +33,11 @@ once the cost model has seen k=0 and two values of k>0 (one if cap is 1);
 until then the lookup is the configured one.
 
 **How it explores.** At a step in bucket j it may hold another k in that
-bucket for ``explore_steps`` steps (a burst), uniformly at random, or while
-warming up, the k it has seen least. Bursts start with probability
-``explore / explore_steps`` per step, so about ``explore`` of the steps
-explore (:data:`WARMUP_EXPLORE` until the cost model is ready). A switch from k=0 costs one drafter catch-up, which is why
+bucket for ``explore_steps`` steps (a burst), chosen uniformly at random.
+Bursts start with probability ``explore / explore_steps`` per step, so about
+``explore`` of the steps explore. Until the cost model is ready it warms up:
+every step belongs to a burst of the k it has seen least, over every bucket
+(the batch shrinks too fast through a call for one bucket to hold it). A switch from k=0 costs one drafter catch-up, which is why
 exploration comes in bursts.
 """
 
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WARMUP_EXPLORE = 0.5  # the fraction of steps that explore until the cost model is ready
+WARMUP_EXPLORE = 1.0  # the fraction of steps that explore until the cost model is ready
 REFIT_EVERY = 8  # observations between refits of the cost model
 CLIP = 4.0  # an observed step time is clipped to [predicted / CLIP, predicted * CLIP] (descheduled steps)
 
@@ -94,7 +95,7 @@ def features(b: float, ctx: float, kv: float, kn: float) -> np.ndarray:
 
 
 class CostModel:
-    """Step wall time, linear in :func:`features`, by ridge least squares with forgetting.
+    """Step wall time, linear in :func:`features`, by ridge least squares on relative errors, with forgetting.
 
     Each kind of step, (k verified, k drafted), keeps its own statistics and
     forgets only as new steps of its kind arrive (horizon ``memory`` steps), so
@@ -110,10 +111,11 @@ class CostModel:
 
     def observe(self, x: np.ndarray, t: float, k_next: int, k_verify: float) -> None:
         st = self.stats.setdefault((round(k_verify), int(k_next)), [np.zeros((self.n, self.n)), np.zeros(self.n), 0.0])
+        w2 = 1.0 / max(t, 1e-6) ** 2  # relative errors: a 1 ms step weighs as much as a 100 ms one
         st[0] *= self.decay
         st[1] *= self.decay
-        st[0] += np.outer(x, x)
-        st[1] += x * t
+        st[0] += w2 * np.outer(x, x)
+        st[1] += w2 * x * t
         st[2] = st[2] * self.decay + 1.0
 
     def seen(self, k: int) -> float:
@@ -220,7 +222,7 @@ class Controller:
         self.cost, self.acc = CostModel(s.memory_steps), AcceptanceModel(s.k_max, s.acceptance_memory)
         self.b_mean = [math.sqrt(lo * hi) for lo, hi in self.ranges]
         self.ctx_per_req = [64.0] * len(self.ranges)
-        self.burst: list[int] | None = None  # [bucket, k, steps left]
+        self.burst: list | None = None  # [bucket (None: every bucket), k, steps left]
         self.rng = random.Random(s.seed)
         self.tally = Tally()
         self.pushed = list(initial_lookup)
@@ -296,15 +298,16 @@ class Controller:
         if not others:
             return
         if ready:
-            k = self.rng.choice(others)
+            self.burst = [j, self.rng.choice(others), self.settings.explore_steps]
         else:
-            k = min(others, key=lambda k: (self.cost.seen(k), self.rng.random()))
-        self.burst = [j, k, self.settings.explore_steps]
+            k = min(range(self.cap + 1), key=lambda k: (self.cost.seen(k), self.rng.random()))
+            self.burst = [None, k, self.settings.explore_steps]
 
     def lookup(self) -> list[int]:
         ks = [min(k, self.cap) for k in self.choice]
         if self.burst is not None:
-            ks[self.burst[0]] = self.burst[1]
+            for j in range(len(ks)) if self.burst[0] is None else [self.burst[0]]:
+                ks[j] = self.burst[1]
         return lookup_from(self.ranges, ks)
 
     def step(self, rec, b_next: int) -> list[int] | None:
@@ -315,7 +318,7 @@ class Controller:
         self.observe(rec)
         if self.burst is not None:
             self.burst[2] -= 1
-            if self.burst[2] <= 0 or self.bucket(b_next) != self.burst[0]:
+            if self.burst[2] <= 0 or self.burst[0] not in (None, self.bucket(b_next)):
                 self.burst = None
                 self.decide()
         if self._since_fit >= REFIT_EVERY:

@@ -214,7 +214,7 @@ class FastPath:
             for rid in resumed:
                 if starts.get(rid, 0) > 0:
                     self.drafter_valid[rid] = 0
-        self.stats["steps"] += 1
+        self.stats["steps"] += int(so.total_num_scheduled_tokens > 0)  # steps with work (an engine may step empty)
         if plain:
             self.stats["plain_steps"] += 1
             self.poisoned = True
