@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
     from rl_specdec.generation.async_worker import AsyncVllmGeneration
     from rl_specdec.generation.server import TOY_CHAT_TEMPLATE
-    from rl_specdec.policy import RayPolicy
+    from rl_specdec.config import PolicyConfig
+    from rl_specdec.policy import PolicyGroup
     from rl_specdec.spec_decode import compute_spec_decode_metrics, read_spec_counters
     from rl_specdec.toy.build import build_tokenizer, build_toy_models
 
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec is not None:  # refuse to train on a sampler that is not lossless
             report = gen.check_sampling([tok.encode("31")] * 64, max_tokens=12, seed=args.seed)
             print(f"sampling self-check passed: {report.summary()}", flush=True)
-        policy = RayPolicy(str(toy.policy), num_gpus=0, dtype="float32", learning_rate=args.lr, micro_batch_size=64, seed=args.seed, num_threads=cores)
+        policy = PolicyGroup(PolicyConfig(model_name=str(toy.policy), device="cpu", dtype="float32", learning_rate=args.lr, num_threads=cores), seed=args.seed)
         loss_fn = ClippedPGLoss(clip_eps=0.2)
         task = SortingTask()
         for step in range(args.steps):

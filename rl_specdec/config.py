@@ -40,8 +40,17 @@ class PolicyConfig:
     learning_rate: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    micro_batch_size: int = 64  # sequences per forward/backward; gradients accumulate to one step
-    num_threads: Optional[int] = None  # torch threads on CPU (default: all cores)
+    micro_batch_size: int = 64  # sequences per forward/backward (per worker); gradients accumulate to one step
+    num_threads: Optional[int] = None  # torch threads per worker on CPU (default: the host's cores shared by its workers)
+    device: str = "auto"  # auto (cuda where the loading process sees CUDA, else cpu) | cpu | cuda; resolved at load
+    # Data parallelism: num_workers Ray actors train one model with torch.distributed (gloo on CPU,
+    # NCCL on GPU). ddp replicates the model; fsdp2 shards parameters, gradients and AdamW state.
+    num_workers: int = 1
+    strategy: str = "ddp"  # ddp | fsdp2
+    gpus_per_worker: float = 1.0  # with device=cuda; 0 = reserve none and share the engines' GPUs (cuda:<local rank>)
+    cpus_per_worker: float = 0.0  # CPUs each worker reserves; 0 = none (the trainer and the engines take turns on the cores)
+    placement_strategy: str = "PACK"  # Ray placement of the workers' bundles: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    refit_bucket_bytes: int = 256 * 2**20  # refit streams the weights to the engines in dicts of at most this size
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
 
@@ -186,6 +195,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     except OmegaConfBaseException as e:
         raise _wrap_omegaconf_error(e, schema) from e
     validate(cfg)
+    resolve_device_and_dtype(cfg.policy)
     if resolve_models:
         resolve_model_paths(cfg)
     return cfg
@@ -219,6 +229,7 @@ def validate(cfg: RunConfig) -> None:
     _positive("policy.micro_batch_size", p.micro_batch_size)
     if p.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"policy.dtype={p.dtype!r} must be one of auto, float32, bfloat16, float16")
+    validate_policy_parallel(p)
     _positive("policy.generation.num_engines", gen.num_engines)
     _positive("policy.generation.cpus_per_engine", gen.cpus_per_engine)
     _positive("policy.generation.max_new_tokens", gen.max_new_tokens)
@@ -239,8 +250,44 @@ def validate(cfg: RunConfig) -> None:
 
     if cfg.env.name not in TASKS:
         raise ConfigError(f"env.name={cfg.env.name!r} is not a known task; choose one of {sorted(TASKS)}")
-    if cfg.cluster.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+    if cfg.cluster.placement_strategy not in PLACEMENT_STRATEGIES:
         raise ConfigError(f"cluster.placement_strategy={cfg.cluster.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+    if p.device == "cuda" and not cfg.cluster.address and not _cuda_available():
+        raise ConfigError(
+            "policy.device=cuda but this machine sees no CUDA device and cluster.address is not set (the local Ray instance has no GPU); "
+            "set policy.device=auto or cpu, or join a GPU cluster with cluster.address"
+        )
+
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def validate_policy_parallel(p: PolicyConfig) -> None:
+    """The data-parallel keys of ``policy``: worker count, strategy, resources, refit bucket."""
+    _positive("policy.num_workers", p.num_workers)
+    if p.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"policy.device={p.device!r} must be auto, cpu or cuda")
+    if p.strategy not in ("ddp", "fsdp2"):
+        raise ConfigError(f"policy.strategy={p.strategy!r} must be ddp (replicated data parallel) or fsdp2 (sharded: FSDP2 fully_shard)")
+    _positive("policy.gpus_per_worker", p.gpus_per_worker, allow_zero=True)
+    _positive("policy.cpus_per_worker", p.cpus_per_worker, allow_zero=True)
+    _positive("policy.refit_bucket_bytes", p.refit_bucket_bytes)
+    if p.num_threads is not None:
+        _positive("policy.num_threads", p.num_threads)
+    if p.placement_strategy not in PLACEMENT_STRATEGIES:
+        raise ConfigError(f"policy.placement_strategy={p.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+    if p.gpus_per_worker > 1:
+        raise ConfigError(f"policy.gpus_per_worker={p.gpus_per_worker}: a worker trains on one GPU; use policy.num_workers for more GPUs")
+    if p.num_workers > 1 or p.strategy == "fsdp2":
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise ConfigError(f"policy.num_workers={p.num_workers}, policy.strategy={p.strategy} need torch.distributed, which this torch build lacks; use policy.num_workers=1 with ddp")
+    if p.strategy == "fsdp2":
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401  (torch >= 2.6)
+        except ImportError as e:
+            raise ConfigError(f"policy.strategy=fsdp2 needs torch.distributed.fsdp.fully_shard (torch >= 2.6): {e}; use policy.strategy=ddp") from e
 
 
 def _resolve_one(name: str, key: str, toy_paths) -> str:
@@ -275,17 +322,61 @@ def resolve_model_paths(cfg: RunConfig) -> None:
         spec["model"] = _resolve_one(spec["model"], "policy.generation.vllm_kwargs.speculative_config.model", toy_paths)
     if "dtype" not in kw or kw["dtype"] in (None, "auto"):
         # The engine samples in the trainer's precision, so generation and training log-probs agree.
-        kw["dtype"] = policy_torch_dtype(cfg.policy.dtype)
+        kw["dtype"] = cfg.policy.dtype
     cfg.policy.generation.vllm_kwargs = validate_vllm_kwargs(kw, cfg.policy.model_name, training=True)
 
 
-def policy_torch_dtype(name: str) -> str:
-    """'auto' is bfloat16 where CUDA is visible, float32 otherwise (CPU)."""
-    if name != "auto":
-        return name
+def _cuda_available() -> bool:
     import torch
 
-    return "bfloat16" if torch.cuda.is_available() else "float32"
+    return torch.cuda.is_available()
+
+
+def resolve_device_and_dtype(p: PolicyConfig, cuda_available: bool | None = None) -> None:
+    """Replace 'auto' once, at load: device cuda where the loading process sees CUDA, else cpu;
+    dtype bfloat16 on cuda, float32 on cpu. Workers and engines use what this leaves.
+
+    On a Ray cluster whose head has no GPU but whose workers do, set ``policy.device=cuda``.
+    """
+    if p.device == "auto":
+        p.device = "cuda" if (_cuda_available() if cuda_available is None else cuda_available) else "cpu"
+    if p.dtype == "auto":
+        p.dtype = "bfloat16" if p.device == "cuda" else "float32"
+
+
+def check_cluster_resources(cfg: RunConfig, resources: dict[str, float]) -> None:
+    """Fail before any actor starts if the run asks for more GPUs or CPUs than the Ray cluster has.
+
+    ``resources`` is ``ray.cluster_resources()``. Engines count as the engine
+    group reserves them (generation/vllm_generation.py ``reserve_engine_bundles``):
+    ``tensor_parallel_size`` GPUs + 1 CPU each on a GPU cluster, ``cpus_per_engine``
+    CPUs each otherwise. Policy workers reserve ``gpus_per_worker`` (with
+    device=cuda) and ``cpus_per_worker`` each.
+    """
+    p, gen = cfg.policy, cfg.policy.generation
+    have_gpu, have_cpu = float(resources.get("GPU", 0)), float(resources.get("CPU", 0))
+    if p.device == "cuda" and have_gpu == 0:
+        raise ConfigError(f"policy.device=cuda but the Ray cluster has no GPU (resources: CPU {have_cpu:g}); set policy.device=cpu or join a GPU cluster")
+    tp = int(gen.vllm_kwargs.get("tensor_parallel_size") or 1)
+    engine_gpu = gen.num_engines * tp if have_gpu > 0 else 0
+    engine_cpu = gen.num_engines * (1 if have_gpu > 0 else gen.cpus_per_engine)
+    policy_gpu = p.num_workers * p.gpus_per_worker if p.device == "cuda" else 0.0
+    policy_cpu = p.num_workers * p.cpus_per_worker
+    for what, need, have, policy_part, engine_part, fix in (
+        ("GPUs", policy_gpu + engine_gpu, have_gpu,
+         f"{p.num_workers} x {p.gpus_per_worker:g} (policy.num_workers x policy.gpus_per_worker)",
+         f"{gen.num_engines} x {tp} (policy.generation.num_engines x tensor_parallel_size)",
+         "policy.gpus_per_worker=0 shares the engines' GPUs"),
+        ("CPUs", policy_cpu + engine_cpu, have_cpu,
+         f"{p.num_workers} x {p.cpus_per_worker:g} (policy.num_workers x policy.cpus_per_worker)",
+         f"{gen.num_engines} x {1 if have_gpu > 0 else gen.cpus_per_engine} (policy.generation.num_engines x {'1 per GPU engine' if have_gpu > 0 else 'cpus_per_engine'})",
+         "policy.cpus_per_worker=0 reserves none"),
+    ):
+        if need > have:
+            raise ConfigError(
+                f"the run asks for {need:g} {what} but the Ray cluster has {have:g}: policy {policy_part} = {policy_gpu if what == 'GPUs' else policy_cpu:g}, "
+                f"engines {engine_part} = {engine_gpu if what == 'GPUs' else engine_cpu:g}. Lower these ({fix}), or add nodes to the cluster."
+            )
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

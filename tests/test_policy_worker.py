@@ -4,6 +4,7 @@ import torch
 
 from rl_specdec.algorithms import ClippedPGLoss
 from rl_specdec.algorithms.grpo import build_train_batch
+from rl_specdec.config import PolicyConfig
 from rl_specdec.generation import GenerationOutput
 from rl_specdec.policy import PolicyWorker, token_logprobs_and_entropy
 from rl_specdec.toy.build import build_toy_models, build_tokenizer
@@ -22,11 +23,18 @@ def _batch():
     return build_train_batch(prompts, out, adv, tok.pad_token_id)
 
 
+def started(path, **kw) -> PolicyWorker:
+    """One worker in this process, as the single-worker group runs it (CPU, float32)."""
+    w = PolicyWorker(PolicyConfig(model_name=str(path), device="cpu", dtype="float32", **kw), seed=0)
+    w.start()
+    return w
+
+
 def test_micro_batching_matches_one_full_batch():
     path = str(build_toy_models().policy)
     batch = _batch()
-    whole = PolicyWorker(path, micro_batch_size=100, seed=0)
-    micro = PolicyWorker(path, micro_batch_size=2, seed=0)
+    whole = started(path, micro_batch_size=100)
+    micro = started(path, micro_batch_size=2)
 
     # log-probs: same values, same (input) order, zeros outside each row's length
     lp_whole, lp_micro = whole.get_logprobs(batch), micro.get_logprobs(batch)
@@ -43,4 +51,4 @@ def test_micro_batching_matches_one_full_batch():
         assert abs(a[k] - b[k]) < 1e-4 * max(1.0, abs(a[k])), k
     sa, sb = whole.state_dict_for_refit(), micro.state_dict_for_refit()
     assert max((sa[k] - sb[k]).abs().max().item() for k in sa) < 1e-5  # vs Adam step size lr = 1e-4
-    assert any((sa[k] - PolicyWorker(path).state_dict_for_refit()[k]).abs().max() > 0 for k in sa)  # it trained
+    assert any((sa[k] - started(path).state_dict_for_refit()[k]).abs().max() > 0 for k in sa)  # it trained

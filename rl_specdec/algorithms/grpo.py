@@ -41,7 +41,7 @@ import torch
 from rl_specdec.algorithms.advantages import group_advantages
 from rl_specdec.algorithms.checkpoint import CheckpointManager
 from rl_specdec.algorithms.loss import ClippedPGLoss
-from rl_specdec.config import RunConfig, to_dict
+from rl_specdec.config import RunConfig, check_cluster_resources, to_dict
 from rl_specdec.environments import Sample, Task, make_task
 from rl_specdec.generation import GenerationOutput, SamplingSettings
 from rl_specdec.logging import MetricsLogger, Timer
@@ -81,7 +81,7 @@ def setup(cfg: RunConfig) -> GRPORun:
     from transformers import AutoTokenizer
 
     from rl_specdec.generation.vllm_generation import VllmGeneration, init_ray
-    from rl_specdec.policy import RayPolicy
+    from rl_specdec.policy import PolicyGroup
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
     task = make_task(cfg.env.name, **cfg.env.kwargs)
@@ -94,21 +94,10 @@ def setup(cfg: RunConfig) -> GRPORun:
     init_ray(cfg.cluster)
     import ray
 
-    on_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    check_cluster_resources(cfg, ray.cluster_resources())  # more GPUs/CPUs than the cluster has: fail before any actor starts
     generation = VllmGeneration(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
     try:
-        policy = RayPolicy(
-            cfg.policy.model_name,
-            num_gpus=1 if on_gpu else 0,
-            dtype=cfg.policy.dtype,
-            learning_rate=cfg.policy.learning_rate,
-            weight_decay=cfg.policy.weight_decay,
-            max_grad_norm=cfg.policy.max_grad_norm,
-            micro_batch_size=cfg.policy.micro_batch_size,
-            keep_reference=cfg.grpo.kl_coef > 0 or cfg.grpo.log_kl,
-            seed=cfg.seed,
-            num_threads=cfg.policy.num_threads,
-        )
+        policy = PolicyGroup(cfg.policy, keep_reference=cfg.grpo.kl_coef > 0 or cfg.grpo.log_kl, seed=cfg.seed)
     except Exception:
         generation.shutdown()
         raise
