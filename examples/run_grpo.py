@@ -32,13 +32,18 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg))
         return 0
 
+    from rl_specdec.algorithms.checkpoint import CheckpointDamaged
     from rl_specdec.algorithms.grpo import train
     from rl_specdec.generation import GenerationEngineDied, SamplingSelfCheckFailed
+    from rl_specdec.policy import PolicyWorkerDied
 
     t0 = time.time()
     try:
         last = train(cfg)
-    except (GenerationEngineDied, SamplingSelfCheckFailed) as e:
+    except ConfigError as e:  # e.g. more GPUs than the Ray cluster has, found before any actor started
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except (GenerationEngineDied, SamplingSelfCheckFailed, PolicyWorkerDied, CheckpointDamaged) as e:
         print(f"error: {e}", file=sys.stderr)  # the loop already logged the step and the last checkpoint
         return 1
     if not last:  # resume=true found the run already at grpo.max_steps
