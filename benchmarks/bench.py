@@ -315,13 +315,15 @@ def verdict_text(stats: dict[str, dict]) -> str:
             f"generation {sched[bs]['generation_s']:.2f} vs {fixed[bf]['generation_s']:.2f} s "
             f"({'the schedule wins' if all(won) else 'fixed k wins' if not any(won) else 'no clear winner'})."
         )
-    if "grpo_spec policy 2x" in stats and "grpo_spec" in stats:
-        two, one_w = stats["grpo_spec policy 2x"], stats["grpo_spec"]
-        out.append(
-            f"Two policy workers (DDP over gloo, the same update as one): {two['step_s']:.2f} vs {one_w['step_s']:.2f} s/step, "
-            f"train phase {two['train_s']:.2f} vs {one_w['train_s']:.2f} s, refit {two['refit_s']:.2f} vs {one_w['refit_s']:.2f} s."
-        )
     return " ".join(out)
+
+
+def policy_workers_text(stats: dict[str, dict]) -> str:
+    two, one = stats["grpo_spec policy 2x"], stats["grpo_spec"]
+    return (
+        f"Two policy workers (DDP over gloo, the same update as one) against one, grpo_spec: {two['step_s']:.2f} vs {one['step_s']:.2f} s/step, "
+        f"train phase {two['train_s']:.2f} vs {one['train_s']:.2f} s, refit {two['refit_s']:.2f} vs {one['refit_s']:.2f} s."
+    )
 
 
 # ---- plots --------------------------------------------------------------------------
@@ -542,6 +544,8 @@ def main(argv=None) -> int:
             verdict = verdict_text(stats)
             results["grpo"]["verdict"] = verdict
             emit("Verdict", verdict)
+        if {"grpo_spec", "grpo_spec policy 2x"} <= set(stats):
+            emit("Policy workers", policy_workers_text(stats))
 
     if "staleness" in sections:
         if args.quick:
