@@ -123,9 +123,10 @@ class Engine:
         return os.getpid()
 
     def load(self, state: dict) -> int:
-        for t in state.values():
+        unique = {id(t): t for t in state.values()}.values()  # a tied tensor comes under two names, once
+        for t in unique:
             t.reshape(-1)[::1024].sum()  # touch every page, as copying it into an engine's weights does
-        return sum(t.numel() * t.element_size() for t in state.values())
+        return sum(t.numel() * t.element_size() for t in unique)
 
 
 def refit(group, engine, mode: str) -> tuple[int, int]:

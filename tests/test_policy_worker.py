@@ -88,9 +88,19 @@ def test_padding_rows_add_nothing_to_the_loss():
 def test_buckets_are_bounded_and_in_order():
     from rl_specdec.policy.state import bucketed
 
-    items = [("a", torch.zeros(10)), ("b", torch.zeros(30)), ("c", torch.zeros(5)), ("d", torch.zeros(100)), ("e", None), ("f", torch.zeros(1))]
-    out = list(bucketed(items, max_bytes=160))  # float32: 40, 120, 20, 400, -, 4 bytes
-    assert [list(b) for b in out] == [["a", "b"], ["c"], ["d"], ["f"]]  # d alone: larger than a bucket; e: another rank's
+    tied = torch.zeros(10)
+    items = [(["a", "a2"], tied), (["b"], torch.zeros(30)), (["c"], torch.zeros(5)), (["d"], torch.zeros(100)), (["e"], None), (["f"], torch.zeros(1))]
+    out = list(bucketed(items, max_bytes=160))  # float32: 40 (once), 120, 20, 400, -, 4 bytes
+    assert [list(b) for b in out] == [["a", "a2", "b"], ["c"], ["d"], ["f"]]  # d alone: larger than a bucket; e: another rank's
+    assert out[0]["a"] is out[0]["a2"] is tied  # a tied tensor: both names, one tensor (serialised once)
+
+
+def test_refit_names_every_tensor_and_ties_stay_tied():
+    """The engines get every name of the model's state dict: vLLM's reload does not re-tie an LM head it is not sent."""
+    w = started(build_toy_models().policy)
+    sd = w.state_dict_for_refit()
+    assert set(sd) == set(w.model.state_dict()) and "lm_head.weight" in sd  # the toy ties its head to the embedding
+    assert sd["lm_head.weight"] is sd["model.embed_tokens.weight"]
 
 
 def test_threads_share_a_host_and_local_ranks_count_per_host():

@@ -28,37 +28,45 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def full_state_items(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full CPU tensor)`` for each tensor of the model, tied weights once (under their first name,
-    as a Hugging Face checkpoint has them). Every rank must iterate to the end; ranks other than 0 get
-    ``(name, None)``: they only take part in the gathers."""
-    seen: set[int] = set()
-    rank = _rank()
+def full_state_items(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor | None]]:
+    """``(names, full CPU tensor)`` for each tensor of the model, in state-dict order.
+
+    A tensor under several names (an LM head tied to the embedding) comes once,
+    with all its names: the engines need every name (vLLM's weight reload does not
+    re-tie a head it is not sent), the bytes travel once. Every rank must iterate to
+    the end; ranks other than 0 get ``None``: they only take part in the gathers.
+    """
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
     for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
+        names.setdefault(id(t), []).append(name)
+        tensors.setdefault(id(t), t)
+    rank = _rank()
+    for key, t in tensors.items():
         t = t.detach()
         if hasattr(t, "full_tensor"):  # an FSDP2 shard (DTensor): all-gather
             t = t.full_tensor()
-        if rank != 0:
-            yield name, None
-            continue
-        yield name, t.to(device="cpu", dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+        yield names[key], (t.to("cpu") if rank == 0 else None)
 
 
-def bucketed(items: Iterable[tuple[str, torch.Tensor | None]], max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Group tensors in order into dicts of at most ``max_bytes`` (a tensor larger than that goes alone)."""
+def as_dict(items: Iterable[tuple[list[str], torch.Tensor | None]]) -> dict[str, torch.Tensor]:
+    return {n: t for names, t in items if t is not None for n in names}
+
+
+def bucketed(items: Iterable[tuple[list[str], torch.Tensor | None]], max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Group tensors in order into dicts of at most ``max_bytes`` (a tensor larger than that goes alone;
+    a tied tensor counts once, under all its names)."""
     bucket: dict[str, torch.Tensor] = {}
     size = 0
-    for name, t in items:
+    for names, t in items:
         if t is None:
             continue
         nbytes = t.numel() * t.element_size()
         if bucket and size + nbytes > max_bytes:
             yield bucket
             bucket, size = {}, 0
-        bucket[name] = t
+        for name in names:
+            bucket[name] = t
         size += nbytes
     if bucket:
         yield bucket

@@ -170,8 +170,8 @@ class PolicyWorker:
 
     def state_dict_for_refit(self) -> dict[str, torch.Tensor] | None:
         """The whole Hugging Face-named state dict, CPU tensors in the policy's dtype (rank 0; None elsewhere)."""
-        items = dict(state.full_state_items(self.model))
-        return items if self.rank == 0 else None
+        whole = state.as_dict(state.full_state_items(self.model))
+        return whole if self.rank == 0 else None
 
     def state_dict_buckets(self, max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """The same tensors in dicts of at most ``max_bytes``, one at a time (rank 0 yields; the others only gather)."""
