@@ -362,20 +362,21 @@ def check_cluster_resources(cfg: RunConfig, resources: dict[str, float]) -> None
     engine_cpu = gen.num_engines * (1 if have_gpu > 0 else gen.cpus_per_engine)
     policy_gpu = p.num_workers * p.gpus_per_worker if p.device == "cuda" else 0.0
     policy_cpu = p.num_workers * p.cpus_per_worker
-    for what, need, have, policy_part, engine_part, fix in (
-        ("GPUs", policy_gpu + engine_gpu, have_gpu,
+    per_engine_cpu = "1 per GPU engine" if have_gpu > 0 else "cpus_per_engine"
+    for what, have, pol, eng, pol_how, eng_how, fix in (
+        ("GPUs", have_gpu, policy_gpu, engine_gpu,
          f"{p.num_workers} x {p.gpus_per_worker:g} (policy.num_workers x policy.gpus_per_worker)",
          f"{gen.num_engines} x {tp} (policy.generation.num_engines x tensor_parallel_size)",
          "policy.gpus_per_worker=0 shares the engines' GPUs"),
-        ("CPUs", policy_cpu + engine_cpu, have_cpu,
+        ("CPUs", have_cpu, policy_cpu, engine_cpu,
          f"{p.num_workers} x {p.cpus_per_worker:g} (policy.num_workers x policy.cpus_per_worker)",
-         f"{gen.num_engines} x {1 if have_gpu > 0 else gen.cpus_per_engine} (policy.generation.num_engines x {'1 per GPU engine' if have_gpu > 0 else 'cpus_per_engine'})",
+         f"{gen.num_engines} x {engine_cpu // max(gen.num_engines, 1)} (policy.generation.num_engines x {per_engine_cpu})",
          "policy.cpus_per_worker=0 reserves none"),
     ):
-        if need > have:
+        if pol + eng > have:
             raise ConfigError(
-                f"the run asks for {need:g} {what} but the Ray cluster has {have:g}: policy {policy_part} = {policy_gpu if what == 'GPUs' else policy_cpu:g}, "
-                f"engines {engine_part} = {engine_gpu if what == 'GPUs' else engine_cpu:g}. Lower these ({fix}), or add nodes to the cluster."
+                f"the run asks for {pol + eng:g} {what} but the Ray cluster has {have:g}: policy {pol_how} = {pol:g}, "
+                f"engines {eng_how} = {eng:g}. Lower these ({fix}), or add nodes to the cluster."
             )
 
 
