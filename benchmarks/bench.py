@@ -16,7 +16,7 @@ grpo
     The default GRPO run (``examples/run_grpo.py``) under each variant: grpo_base
     (no speculation), grpo_spec (its speculative_config) and the variants in
     ``GRPO_VARIANTS`` (other k, the batch-size schedule, ngram, suffix, two
-    engines). Same prompts and step count; every variant runs once per seed in
+    engines, two policy workers). Same prompts and step count; every variant runs once per seed in
     ``--seeds`` and the tables give the mean and each seed (step time on 2 CPU
     cores swings ~10% between seeds). Step time, its per-phase split, and the
     ratio to grpo_base. From the same runs: the long tail (per step, the
@@ -86,8 +86,11 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     ),
     "grpo_base 2x1": ("configs/grpo_base.yaml", ["policy.generation.num_engines=2", "policy.generation.cpus_per_engine=1"]),
     "grpo_spec 2x1": ("configs/grpo_spec.yaml", ["policy.generation.num_engines=2", "policy.generation.cpus_per_engine=1"]),
+    # the trainer as 2 data-parallel workers (DDP over gloo), same update as one: compare with grpo_spec
+    "grpo_spec policy 2x": ("configs/grpo_spec.yaml", ["policy.num_workers=2"]),
 }
 QUICK_VARIANTS = ["grpo_base", "grpo_spec"]
+TRAINER_VARIANTS = {"grpo_spec policy 2x"}  # change the trainer, not the rollouts: kept out of the speculation verdicts
 # what every benchmark run changes: its own log folder, no wandb, no checkpoints, no bar
 COMMON = ["logger.wandb.enabled=false", "checkpoint.enabled=false", "logger.progress_bar=false"]
 # --quick: skip what only costs start-up time (the sampling self-check, validation, torch.compile)
@@ -201,11 +204,13 @@ def pool_train_time(stats: dict[str, dict]) -> None:
     cannot (a control variate).
     """
     for two in (False, True):
-        group = [n for n in stats if ("2x1" in n) == two]
+        group = [n for n in stats if ("2x1" in n) == two and n not in TRAINER_VARIANTS]
         if group:
             pooled = statistics.fmean(stats[n]["train_s"] for n in group)
             for n in group:
                 stats[n]["step_pooled_s"] = stats[n]["step_mean_s"] - stats[n]["train_s"] + pooled
+    for n in TRAINER_VARIANTS & set(stats):  # their train phase is what they change: pooled only with itself
+        stats[n]["step_pooled_s"] = stats[n]["step_mean_s"]
 
 
 def _mean_or_none(rows: list[dict], key: str):
@@ -287,7 +292,7 @@ def verdict_text(stats: dict[str, dict]) -> str:
     def ratio(n: str, k: str = "step_s") -> str:
         return f"{stats[n][k] / base_of(n)[k]:.2f}x {'grpo_base 2x1' if base_of(n) is not stats['grpo_base'] else 'grpo_base'}"
 
-    spec = {n: s for n, s in stats.items() if s.get("speculation", "none") != "none"}
+    spec = {n: s for n, s in stats.items() if s.get("speculation", "none") != "none" and n not in TRAINER_VARIANTS}
     out = []
     for label, group in (("one engine", {n: s for n, s in spec.items() if "2x1" not in n}), ("two engines", {n: s for n, s in spec.items() if "2x1" in n})):
         if group:
@@ -311,6 +316,14 @@ def verdict_text(stats: dict[str, dict]) -> str:
             f"({'the schedule wins' if all(won) else 'fixed k wins' if not any(won) else 'no clear winner'})."
         )
     return " ".join(out)
+
+
+def policy_workers_text(stats: dict[str, dict]) -> str:
+    two, one = stats["grpo_spec policy 2x"], stats["grpo_spec"]
+    return (
+        f"Two policy workers (DDP over gloo, the same update as one) against one, grpo_spec: {two['step_s']:.2f} vs {one['step_s']:.2f} s/step, "
+        f"train phase {two['train_s']:.2f} vs {one['train_s']:.2f} s, refit {two['refit_s']:.2f} vs {one['refit_s']:.2f} s."
+    )
 
 
 # ---- plots --------------------------------------------------------------------------
@@ -531,6 +544,8 @@ def main(argv=None) -> int:
             verdict = verdict_text(stats)
             results["grpo"]["verdict"] = verdict
             emit("Verdict", verdict)
+        if {"grpo_spec", "grpo_spec policy 2x"} <= set(stats):
+            emit("Policy workers", policy_workers_text(stats))
 
     if "staleness" in sections:
         if args.quick:

@@ -2,14 +2,16 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from rl_specdec.algorithms import ClippedPGLoss, group_advantages
-from rl_specdec.algorithms.checkpoint import CheckpointManager
 from rl_specdec.algorithms.batch import Trajectory, build_train_batch
+from rl_specdec.algorithms.checkpoint import CheckpointManager
 from rl_specdec.algorithms.grpo import decode_response
+from rl_specdec.errors import CheckpointDamaged
 from rl_specdec.environments import SortingTask
 from rl_specdec.generation import GenerationOutput
 
@@ -138,6 +140,39 @@ def test_checkpoint_crash_mid_save_keeps_last_good(tmp_path):
     cm.save(8, good, {"step": 8})
     assert [p.name for p in cm._complete()] == ["step_000006", "step_000008"]  # keep=2
     assert not list(tmp_path.glob(".tmp-*"))  # the crashed save's leftovers are gone
+
+
+def _save_fake_policy(path):
+    """A checkpoint's layout: policy/model/*.safetensors and policy/optimizer.pt."""
+    from safetensors.torch import save_file
+
+    model = Path(path) / "policy" / "model"
+    model.mkdir(parents=True)
+    save_file({"w": torch.arange(1000.0)}, str(model / "model.safetensors"))
+    torch.save({"format": 2}, Path(path) / "policy" / "optimizer.pt")
+
+
+def test_damaged_checkpoint_is_named_and_the_previous_one_used(tmp_path, caplog):
+    cm = CheckpointManager(str(tmp_path), keep=2)
+    cm.save(2, _save_fake_policy, {"step": 2})
+    cm.save(4, _save_fake_policy, {"step": 4})
+    assert json.loads((tmp_path / "step_000004/manifest.json").read_text())["files"]["policy/model/model.safetensors"]["bytes"] > 4000
+    newest = tmp_path / "step_000004/policy/model/model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated, as by a full disk or a killed copy
+
+    fresh = CheckpointManager(str(tmp_path), keep=2)  # a resumed run: nothing verified yet
+    with caplog.at_level("WARNING"):
+        path, state = fresh.latest()
+    assert (path.name, state["step"]) == ("step_000002", 2)
+    assert "step_000004" in caplog.text and "policy/model/model.safetensors has 100 bytes" in caplog.text
+
+    # same size, other bytes: the checksum catches it
+    older = tmp_path / "step_000002/policy/optimizer.pt"
+    data = bytearray(older.read_bytes())
+    data[-1] ^= 0xFF
+    older.write_bytes(bytes(data))
+    with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint .*step_000004: policy/model/model.safetensors has 100 bytes.*step_000002: policy/optimizer.pt does not match its sha256"):
+        CheckpointManager(str(tmp_path)).latest()
 
 
 def test_plot_renders_png(tmp_path):

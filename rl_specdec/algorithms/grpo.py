@@ -46,7 +46,7 @@ from rl_specdec.algorithms.batch import Trajectory, build_train_batch, select_fo
 from rl_specdec.algorithms.checkpoint import CheckpointManager
 from rl_specdec.algorithms.drafter_upkeep import DrafterUpkeep
 from rl_specdec.algorithms.loss import ClippedPGLoss
-from rl_specdec.config import RunConfig, resolve_dtype, to_dict
+from rl_specdec.config import RunConfig, check_cluster_resources, to_dict
 from rl_specdec.environments import Sample, Task, make_task
 from rl_specdec.generation import GenerationOutput, RolloutEngine, SamplingSettings
 from rl_specdec.logging import MetricsLogger, Timer
@@ -120,26 +120,16 @@ def setup(cfg: RunConfig) -> GRPORun:
 def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface, DrafterUpkeep]:
     from rl_specdec.generation.group import VllmGeneration
     from rl_specdec.generation.placement import cluster_has_gpus, init_ray
-    from rl_specdec.policy import RayPolicy
+    from rl_specdec.policy import PolicyGroup
 
     init_ray(cfg.cluster)
-    on_gpu = cluster_has_gpus()
-    resolve_dtype(cfg, on_gpu)  # a no-op when load_config already resolved it (local runs)
+    import ray
+
+    check_cluster_resources(cfg, ray.cluster_resources())  # more GPUs/CPUs than the cluster has: fail before any actor starts
     generation = VllmGeneration(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
     try:
-        policy = RayPolicy(
-            cfg.policy.model_name,
-            num_gpus=1 if on_gpu else 0,
-            dtype=cfg.policy.dtype,
-            learning_rate=cfg.policy.learning_rate,
-            weight_decay=cfg.policy.weight_decay,
-            max_grad_norm=cfg.policy.max_grad_norm,
-            micro_batch_size=cfg.policy.micro_batch_size,
-            keep_reference=cfg.grpo.kl_coef > 0 or cfg.grpo.log_kl,
-            seed=cfg.seed,
-            num_threads=cfg.policy.num_threads,
-        )
-        drafter = DrafterUpkeep.create(cfg, on_gpu)
+        policy = PolicyGroup(cfg.policy, keep_reference=cfg.grpo.kl_coef > 0 or cfg.grpo.log_kl, seed=cfg.seed)
+        drafter = DrafterUpkeep.create(cfg, cluster_has_gpus())
     except BaseException:
         generation.shutdown()
         raise

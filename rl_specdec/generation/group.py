@@ -64,7 +64,8 @@ class VllmGeneration:
             self.workers = [
                 actor.options(
                     num_cpus=0 if on_gpu else config.cpus_per_engine,
-                    num_gpus=0,  # the bundle holds the GPUs; vLLM places its own TP workers
+                    # the bundle's GPUs, so Ray sets CUDA_VISIBLE_DEVICES for this engine (and its TP processes)
+                    num_gpus=int(config.vllm_kwargs.get("tensor_parallel_size", 1)) if on_gpu else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i),
                     runtime_env={"env_vars": {k: str(v) for k, v in config.env_vars.items()}},  # at process start
                     **self.actor_options,
