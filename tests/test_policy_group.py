@@ -23,9 +23,8 @@ import torch
 
 from conftest import actor_states, wait_until
 from rl_specdec.algorithms import ClippedPGLoss
-from rl_specdec.algorithms.grpo import build_train_batch
+from rl_specdec.algorithms.batch import Trajectory, build_train_batch
 from rl_specdec.config import PolicyConfig, load_config
-from rl_specdec.generation import GenerationOutput
 from rl_specdec.policy import PolicyGroup, PolicyWorker, PolicyWorkerDied
 
 pytestmark = pytest.mark.integration
@@ -48,8 +47,8 @@ def make_batch(tokenizer, seed: int, n: int = 7) -> dict[str, torch.Tensor]:
         prompts.append(tokenizer.encode("".join(map(str, digits)) + "="))
         responses.append(tokenizer.encode("".join(map(str, sorted(digits)))[: len(digits) // 2 + 1]) + [tokenizer.eos_token_id])
     lp = [(-0.5 - torch.rand(len(r), generator=g)).tolist() for r in responses]
-    out = GenerationOutput(token_ids=responses, logprobs=lp, finish_reasons=["stop"] * n)
-    return build_train_batch(prompts, out, torch.randn(n, generator=g), tokenizer.pad_token_id)
+    trajectories = [Trajectory.single_turn(p, r, l) for p, r, l in zip(prompts, responses, lp)]
+    return build_train_batch(trajectories, torch.randn(n, generator=g), tokenizer.pad_token_id)
 
 
 def started(path, **kw) -> PolicyWorker:

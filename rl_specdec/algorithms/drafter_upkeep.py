@@ -50,7 +50,7 @@ class DrafterUpkeep:
 
     # ---- per step --------------------------------------------------------------------------
     def trains_at(self, step: int) -> bool:
-        return self.trainer is not None and (step + 1) % self.training.every == 0
+        return self.trainer is not None and self.speculating and (step + 1) % self.training.every == 0
 
     def top_k(self, step: int) -> int:
         """Log-probs per generated token the rollouts must return (0: none)."""
@@ -58,7 +58,7 @@ class DrafterUpkeep:
 
     def check(self, spec_metrics: dict[str, float], generation: RolloutEngine) -> dict[str, float]:
         """The acceptance canary on this step's rollouts (every step follows a refit)."""
-        if not spec_metrics or not spec_metrics.get("spec_decode/num_draft_tokens"):
+        if not self.speculating or not spec_metrics or not spec_metrics.get("spec_decode/num_draft_tokens"):
             return {}
         rate = spec_metrics["spec_decode/acceptance_rate"]
         if not self.canary.observe(rate):
@@ -67,9 +67,13 @@ class DrafterUpkeep:
         if self.action == "fail":
             raise SpecDecodeCanaryTripped(message + " Stopping (acceptance_canary.action=fail).")
         if self.action == "disable":
-            generation.set_speculation(0)
+            # fresh engines without a drafter; this step's refit (phase 6) gives them the trainer's weights
+            generation.disable_speculation()
             self.speculating = False
-            message += " Speculation is off for the rest of the run (acceptance_canary.action=disable)."
+            message += (
+                " Speculation is off for the rest of the run (acceptance_canary.action=disable): the engines were"
+                " restarted without a drafter. A resumed run starts with speculation on again."
+            )
         logger.warning("%s", message)
         return {"spec_decode/canary": 1.0}
 

@@ -55,6 +55,7 @@ class VllmGeneration:
 
     def _start(self, model: str, config: GenerationConfig, cluster: ClusterConfig, seed: int, start_kwargs: dict[str, Any]) -> None:
         self.config, self.model, self.workers, self.pg = config, model, [], None
+        self._restart_args = (cluster, seed, start_kwargs)
         init_ray(cluster)
         on_gpu = cluster_has_gpus()
         t0 = time.time()
@@ -153,6 +154,18 @@ class VllmGeneration:
 
     def reset_prefix_cache(self) -> None:
         self._get([w.reset_prefix_cache.remote() for w in self.workers])
+
+    def disable_speculation(self) -> None:
+        """Restart every engine without ``speculative_config``: plain vLLM from here on.
+
+        A restart, not a switch inside the running engine, so what runs is vLLM's own
+        non-speculative path (lossless by construction). The new engines load the
+        model path's weights (or dummy ones): refit them before the next rollout.
+        """
+        vllm_kwargs = {k: v for k, v in self.config.vllm_kwargs.items() if k != "speculative_config"}
+        config = dataclasses.replace(self.config, vllm_kwargs=vllm_kwargs)
+        self.shutdown()
+        self._start(self.model, config, *self._restart_args)
 
     def engine_counters(self) -> list[dict[str, Any]]:
         """Each engine's cumulative spec-decode counters (all its traffic); for tools and tests.

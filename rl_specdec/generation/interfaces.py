@@ -118,6 +118,14 @@ class RolloutEngine(Protocol):
 
     def reset_prefix_cache(self) -> None: ...
 
+    def disable_speculation(self) -> None:
+        """Speculation off for good: the engines run without a drafter from now on.
+
+        The engines may come back with the weights of the model path, not the
+        trainer's: the caller refits them (``update_weights``) before the next rollout.
+        """
+        ...
+
     def sleep(self, level: int = 1) -> None: ...
 
     def wake_up(self) -> None: ...

@@ -30,6 +30,9 @@ tokens into a chat prompt means overriding internals of its chat serving
 class that change between releases. This module uses only AsyncLLM's public
 ``generate`` and keeps the wire format of the fields it supports.
 
+The request models and their translation live in
+:mod:`~rl_specdec.generation.openai_schema`.
+
 Errors: a malformed request (bad JSON, a wrong type, an unknown model, a
 prompt longer than the context, a template that fails) gets a 4xx with an
 OpenAI-style ``{"error": {"message", "type", "code"}}`` body; the server keeps
@@ -40,246 +43,146 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, Union
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from rl_specdec.errors import PrefixSpliceError
-from rl_specdec.generation.prefix import replace_prefix_tokens
+from rl_specdec.generation.openai_schema import (  # noqa: F401  (ChatMessage: re-exported for clients)
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatRenderer,
+    CompletionRequest,
+    RequestError,
+    ServerBackend,
+    ServerConfig,
+    check_ids,
+    content_ids,
+    openai_logprobs,
+    sampling_params,
+)
 
 logger = logging.getLogger(__name__)
-
-MAX_N = 64
-MAX_TOP_LOGPROBS = 20
-
-@dataclass
-class ServerConfig:
-    """Settings of the per-engine HTTP server."""
-
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: a free port, reported by the worker's report_base_url()
-    chat_template: str | None = None  # a Jinja chat template; None: the tokenizer's own
-    served_model_name: str | None = None  # the name /v1/models lists; default: the model path
-    default_max_tokens: int | None = None  # when a request gives none; None: the rest of the context
-    allow_remote: bool = False  # bind a non-loopback address (reachable from other hosts)
-
-    def check(self) -> None:
-        if self.allow_remote:
-            return
-        host = "127.0.0.1" if self.host == "localhost" else self.host
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            raise ValueError(
-                f"server host {self.host!r} is not a loopback address; the server has no authentication, so it "
-                "binds 127.0.0.1 by default. Set allow_remote=True to serve other hosts (e.g. environments on "
-                "other nodes of a Ray cluster), on a trusted network only."
-            )
-
-
-class ServerBackend(Protocol):
-    """What the server needs from an engine (the async worker implements it)."""
-
-    model_name: str
-    tokenizer: Any
-    max_model_len: int
-
-    async def generate_tokens(self, prompt_token_ids: list[int], params: dict[str, Any]) -> list[dict[str, Any]]:
-        """One dict per sample (``params["n"]``): token_ids, logprobs, finish_reason, top_logprobs."""
-        ...
-
-
-class RequestError(Exception):
-    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status = status
-        self.type = type_
-
-
-# ---- request schema ------------------------------------------------------------------
-
-
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)  # extension (vLLM): -1 is off
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None
-    stream: bool = False
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension (vLLM)
-    ignore_eos: bool = False  # extension (vLLM)
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-    # set by this server on assistant messages; sent back to continue a conversation on-policy
-    prompt_token_ids: list[int] | None = None
-    generation_token_ids: list[int] | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise RequestError(f"only text content parts are supported, got {p.get('type')!r}")
-            parts.append(p["text"])
-        return "".join(parts)
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-
-class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
-
-
-
-# ---- helpers --------------------------------------------------------------------------
-
-
-def _sampling_params(req, prompt_len: int, backend: ServerBackend, cfg: ServerConfig, num_logprobs: int) -> dict[str, Any]:
-    if req.stream:
-        raise RequestError("stream=true is not supported by this server; send stream=false")
-    if req.stop:
-        raise RequestError("stop strings are not supported (the engine does not detokenize); use stop_token_ids")
-    room = backend.max_model_len - prompt_len
-    if room < 1:
-        raise RequestError(f"the prompt has {prompt_len} tokens; this model's context is {backend.max_model_len} tokens")
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    if max_tokens is None:
-        max_tokens = min(room, cfg.default_max_tokens or room)
-    if max_tokens > room:
-        raise RequestError(
-            f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the context of "
-            f"{backend.max_model_len} tokens; ask for at most {room}"
-        )
-    vocab = getattr(backend, "vocab_size", None)
-    for t in req.stop_token_ids or []:
-        if t < 0 or (vocab is not None and t >= vocab):
-            raise RequestError(f"stop_token_ids contains {t}, not a token id of this model")
-    return {
-        "n": req.n,
-        "max_tokens": int(max_tokens),
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "seed": req.seed,
-        "stop_token_ids": list(req.stop_token_ids or []),
-        "ignore_eos": req.ignore_eos,
-        "logprobs": num_logprobs,
-    }
-
-
-def _check_ids(ids: list[int], backend: ServerBackend, what: str) -> list[int]:
-    vocab = getattr(backend, "vocab_size", None)
-    for t in ids:
-        if not isinstance(t, int) or t < 0 or (vocab is not None and t >= vocab):
-            raise RequestError(f"{what} contains {t!r}, not a token id of this model")
-    return ids
-
-
-def _content_ids(tokenizer, ids: list[int], finish_reason: str) -> list[int]:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if finish_reason == "stop" and ids and ids[-1] == eos:
-        return ids[:-1]
-    return ids
-
-
-def _openai_logprobs(tokenizer, sample: dict[str, Any], top: int) -> dict[str, Any]:
-    """The chat ``logprobs`` object; tokens are written as their decoded text."""
-    content = []
-    tops = sample.get("top_logprobs") or [None] * len(sample["token_ids"])
-    for tok, lp, step in zip(sample["token_ids"], sample["logprobs"], tops):
-        entry = {"token": tokenizer.decode([tok]), "logprob": lp, "bytes": None, "top_logprobs": []}
-        if step and top:
-            ranked = sorted(step.items(), key=lambda kv: -kv[1])[:top]
-            entry["top_logprobs"] = [{"token": tokenizer.decode([t]), "logprob": v, "bytes": None} for t, v in ranked]
-        content.append(entry)
-    return {"content": content}
-
-
-class ChatRenderer:
-    """Chat messages -> prompt token ids, with the model's own tokens spliced in."""
-
-    def __init__(self, tokenizer, chat_template: str | None):
-        self.tokenizer = tokenizer
-        self.chat_template = chat_template
-
-    def render_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        if self.chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
-            raise RequestError(
-                "this model's tokenizer has no chat template and the server was started without one "
-                "(ServerConfig.chat_template); use /v1/completions or start the server with a template",
-                status=400,
-            )
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-        except Exception as e:  # jinja errors, raise_exception() in the template
-            raise RequestError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def prompt_ids(self, messages: list["ChatMessage"]) -> tuple[list[int], int | None]:
-        """(prompt ids, index of the assistant message whose tokens were spliced in, or None)."""
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
-        template_ids = self.render_ids(plain, add_generation_prompt=True)
-        last = None
-        for j, m in enumerate(messages):
-            if m.role == "assistant" and (m.generation_token_ids is not None or m.prompt_token_ids is not None):
-                if m.generation_token_ids is None or m.prompt_token_ids is None:
-                    raise RequestError(
-                        f"messages[{j}] carries only one of prompt_token_ids / generation_token_ids; send both "
-                        "(as this server returned them) or neither"
-                    )
-                last = j
-        if last is None:
-            return template_ids, None
-        m = messages[last]
-        template_prefix = self.render_ids(plain[: last + 1], add_generation_prompt=False)
-        try:
-            ids = replace_prefix_tokens(
-                self.tokenizer, list(m.prompt_token_ids) + list(m.generation_token_ids), template_prefix, template_ids
-            )
-        except PrefixSpliceError as e:
-            raise RequestError(str(e)) from e
-        return ids, last
-
 
 # ---- the app --------------------------------------------------------------------------
 
 
+class Handlers:
+    """What each endpoint does, apart from FastAPI's routing (see :func:`build_app`)."""
+
+    def __init__(self, backend: ServerBackend, cfg: ServerConfig):
+        self.backend, self.cfg, self.tok = backend, cfg, backend.tokenizer
+        self.renderer = ChatRenderer(backend.tokenizer, cfg.chat_template)
+
+    def check_model(self, name: str) -> None:
+        b = self.backend
+        if name not in (b.model_name, getattr(b, "model_path", None)):
+            raise RequestError(f"model {name!r} is not served here; this server serves {b.model_name!r}", status=404, type_="not_found_error")
+
+    async def run(self, prompt_ids: list[int], params: dict[str, Any]) -> list[dict[str, Any]]:
+        try:
+            return await self.backend.generate_tokens(prompt_ids, params)
+        except (ValueError, TypeError) as e:  # vLLM's validation of the request
+            raise RequestError(f"the engine rejected the request: {e}") from e
+
+    def models(self) -> dict[str, Any]:
+        b = self.backend
+        return {
+            "object": "list",
+            "data": [{"id": b.model_name, "object": "model", "created": 0, "owned_by": "rl_specdec", "max_model_len": b.max_model_len}],
+        }
+
+    def _text(self, s: dict[str, Any]) -> str:
+        return self.tok.decode(content_ids(self.tok, s["token_ids"], s["finish_reason"]), skip_special_tokens=True)
+
+    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        prompt_ids, spliced = self.renderer.prompt_ids(req.messages)
+        check_ids(prompt_ids, self.backend, "the prompt (with the spliced token ids)")
+        top = (req.top_logprobs or 0) if req.logprobs else 0
+        samples = await self.run(prompt_ids, sampling_params(req, len(prompt_ids), self.backend, self.cfg, top))
+        choices = [
+            {
+                "index": i,
+                "message": {
+                    "role": "assistant",
+                    "content": self._text(s),
+                    "prompt_token_ids": prompt_ids,
+                    "generation_token_ids": s["token_ids"],
+                    "generation_log_probs": s["logprobs"],
+                },
+                "logprobs": openai_logprobs(self.tok, s, top) if req.logprobs else None,
+                "finish_reason": s["finish_reason"],
+            }
+            for i, s in enumerate(samples)
+        ]
+        n_out = sum(len(s["token_ids"]) for s in samples)
+        return self._response("chatcmpl", "chat.completion", choices, len(prompt_ids), n_out, prompt_token_ids=prompt_ids, spliced_message_index=spliced)
+
+    def _response(self, id_prefix: str, kind: str, choices: list[dict[str, Any]], n_in: int, n_out: int, **extra: Any) -> dict[str, Any]:
+        return {
+            "id": f"{id_prefix}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.backend.model_name,
+            "choices": choices,
+            "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out},
+            **extra,
+        }
+
+    def completion_prompts(self, p: Any) -> list[list[int]]:
+        """A completions ``prompt`` (text, ids, or a list of either) as token-id prompts."""
+        tok, backend = self.tok, self.backend
+        if isinstance(p, str):
+            prompts = [tok.encode(p, add_special_tokens=False)]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [check_ids(list(p), backend, "prompt")]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = [tok.encode(x, add_special_tokens=False) for x in p]
+        elif p and all(isinstance(x, list) for x in p):
+            prompts = [check_ids(list(x), backend, f"prompt[{i}]") for i, x in enumerate(p)]
+        else:
+            raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of such lists")
+        if any(len(x) == 0 for x in prompts):
+            raise RequestError("empty prompt")
+        return prompts
+
+    def _completion_choice(self, req: CompletionRequest, index: int, prompt: list[int], s: dict[str, Any]) -> dict[str, Any]:
+        text = (self.tok.decode(prompt, skip_special_tokens=True) if req.echo else "") + self._text(s)
+        lp = {"tokens": [self.tok.decode([t]) for t in s["token_ids"]], "token_logprobs": s["logprobs"]}
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": lp if req.logprobs is not None else None,
+            "finish_reason": s["finish_reason"],
+            "prompt_token_ids": prompt,
+            "generation_token_ids": s["token_ids"],
+            "generation_log_probs": s["logprobs"],
+        }
+
+    async def completions(self, req: CompletionRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        prompts = self.completion_prompts(req.prompt)
+        top = req.logprobs or 0
+        results = await asyncio.gather(*(self.run(x, sampling_params(req, len(x), self.backend, self.cfg, top)) for x in prompts))
+        choices = [self._completion_choice(req, 0, x, s) for x, samples in zip(prompts, results) for s in samples]
+        for i, c in enumerate(choices):
+            c["index"] = i
+        n_in = sum(len(x) for x in prompts)
+        n_out = sum(len(s["token_ids"]) for samples in results for s in samples)
+        return self._response("cmpl", "text_completion", choices, n_in, n_out)
+
+
 def build_app(backend: ServerBackend, cfg: ServerConfig):
-    """The FastAPI app serving ``backend``."""
+    """The FastAPI app serving ``backend``: routes and error bodies; the work is in :class:`Handlers`."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
     app = FastAPI(title="rl_specdec generation server", docs_url=None, redoc_url=None, openapi_url=None)
-    renderer = ChatRenderer(backend.tokenizer, cfg.chat_template)
-    tok = backend.tokenizer
+    h = Handlers(backend, cfg)
     app.state.num_requests = 0
     app.state.num_errors = 0
 
@@ -304,116 +207,23 @@ def build_app(backend: ServerBackend, cfg: ServerConfig):
         logger.exception("request failed")
         return error(500, f"{type(exc).__name__}: {exc}", "internal_error")
 
-    def check_model(name: str) -> None:
-        if name not in (backend.model_name, getattr(backend, "model_path", None)):
-            raise RequestError(f"model {name!r} is not served here; this server serves {backend.model_name!r}", status=404, type_="not_found_error")
-
-    async def run(prompt_ids: list[int], params: dict[str, Any]) -> list[dict[str, Any]]:
-        try:
-            return await backend.generate_tokens(prompt_ids, params)
-        except (ValueError, TypeError) as e:  # vLLM's validation of the request
-            raise RequestError(f"the engine rejected the request: {e}") from e
-
     @app.get("/health")
     async def health():
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [{"id": backend.model_name, "object": "model", "created": 0, "owned_by": "rl_specdec", "max_model_len": backend.max_model_len}],
-        }
+        return h.models()
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest):
         app.state.num_requests += 1
-        check_model(req.model)
-        prompt_ids, spliced = renderer.prompt_ids(req.messages)
-        _check_ids(prompt_ids, backend, "the prompt (with the spliced token ids)")
-        top = (req.top_logprobs or 0) if req.logprobs else 0
-        params = _sampling_params(req, len(prompt_ids), backend, cfg, top)
-        samples = await run(prompt_ids, params)
-        choices = []
-        for i, s in enumerate(samples):
-            content = tok.decode(_content_ids(tok, s["token_ids"], s["finish_reason"]), skip_special_tokens=True)
-            choices.append(
-                {
-                    "index": i,
-                    "message": {
-                        "role": "assistant",
-                        "content": content,
-                        "prompt_token_ids": prompt_ids,
-                        "generation_token_ids": s["token_ids"],
-                        "generation_log_probs": s["logprobs"],
-                    },
-                    "logprobs": _openai_logprobs(tok, s, top) if req.logprobs else None,
-                    "finish_reason": s["finish_reason"],
-                }
-            )
-        n_out = sum(len(s["token_ids"]) for s in samples)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": backend.model_name,
-            "choices": choices,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out, "total_tokens": len(prompt_ids) + n_out},
-            "prompt_token_ids": prompt_ids,
-            "spliced_message_index": spliced,
-        }
+        return await h.chat(req)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         app.state.num_requests += 1
-        check_model(req.model)
-        p = req.prompt
-        if isinstance(p, str):
-            prompts = [tok.encode(p, add_special_tokens=False)]
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [_check_ids(list(p), backend, "prompt")]
-        elif p and all(isinstance(x, str) for x in p):
-            prompts = [tok.encode(x, add_special_tokens=False) for x in p]
-        elif p and all(isinstance(x, list) for x in p):
-            prompts = [_check_ids(list(x), backend, f"prompt[{i}]") for i, x in enumerate(p)]
-        else:
-            raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of such lists")
-        if any(len(x) == 0 for x in prompts):
-            raise RequestError("empty prompt")
-        top = req.logprobs or 0
-        all_params = [_sampling_params(req, len(x), backend, cfg, top) for x in prompts]
-        results = await asyncio.gather(*(run(x, prm) for x, prm in zip(prompts, all_params)))
-        choices, n_in, n_out = [], 0, 0
-        for x, samples in zip(prompts, results):
-            n_in += len(x)
-            for s in samples:
-                text = tok.decode(_content_ids(tok, s["token_ids"], s["finish_reason"]), skip_special_tokens=True)
-                if req.echo:
-                    text = tok.decode(x, skip_special_tokens=True) + text
-                choices.append(
-                    {
-                        "index": len(choices),
-                        "text": text,
-                        "logprobs": (
-                            {"tokens": [tok.decode([t]) for t in s["token_ids"]], "token_logprobs": s["logprobs"]}
-                            if req.logprobs is not None
-                            else None
-                        ),
-                        "finish_reason": s["finish_reason"],
-                        "prompt_token_ids": x,
-                        "generation_token_ids": s["token_ids"],
-                        "generation_log_probs": s["logprobs"],
-                    }
-                )
-                n_out += len(s["token_ids"])
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": backend.model_name,
-            "choices": choices,
-            "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out},
-        }
+        return await h.completions(req)
 
     return app
 
