@@ -22,8 +22,9 @@ grpo
     ratio to grpo_base. From the same runs: the long tail (per step, the
     time until 50/90/100% of rollouts were done).
 staleness
-    One long grpo_spec run (the drafter is never refit): acceptance rate and
-    length at every step while the policy drifts (KL to the start).
+    Long grpo_spec runs on the first seed: the drafter frozen against trained
+    online (acceptance length per 20-step bucket while the policy drifts), and
+    online training from an untrained drafter (``benchmarks/drafter_life.py``).
 peer
     TRL's GRPOTrainer on the same task, model, batch and step count
     (``benchmarks/peer_trl.py``), against rl_specdec's step time and rollout tokens/s.
@@ -48,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 
+import drafter_life  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
 import peer_trl  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
 import rollout
 from rollout import fmt, log
@@ -88,6 +90,8 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     "grpo_spec 2x1": ("configs/grpo_spec.yaml", ["policy.generation.num_engines=2", "policy.generation.cpus_per_engine=1"]),
     # the trainer as 2 data-parallel workers (DDP over gloo), same update as one: compare with grpo_spec
     "grpo_spec policy 2x": ("configs/grpo_spec.yaml", ["policy.num_workers=2"]),
+    # the drafter distilled towards the policy after every step and refit (issue 13): its cost
+    "grpo_spec drafter online": ("configs/grpo_spec.yaml", [drafter_life.ONLINE]),
 }
 QUICK_VARIANTS = ["grpo_base", "grpo_spec"]
 TRAINER_VARIANTS = {"grpo_spec policy 2x"}  # change the trainer, not the rollouts: kept out of the speculation verdicts
@@ -454,7 +458,8 @@ def main(argv=None) -> int:
     p.add_argument("--report-only", action="store_true", help="rebuild the tables and plots from the runs already in --out (runs nothing)")
     p.add_argument("--resume", action="store_true", help="reuse the runs in --out that finished with the same settings (an interrupted benchmark picks up where it stopped)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds; every GRPO variant runs once per seed and the tables give the mean and each seed (full results: 0,1)")
-    p.add_argument("--staleness-steps", type=int, default=200, help="length of the staleness run (--quick: reuses grpo_spec)")
+    p.add_argument("--staleness-steps", type=int, default=200, help="length of the frozen and online drafter runs (--quick: --steps)")
+    p.add_argument("--cold-steps", type=int, default=50, help="length of the cold-start drafter run (--quick: --steps)")
     p.add_argument("--peer-steps", type=int, default=None, help="TRL steps (default: --steps; --quick 4)")
     rollout_parser = argparse.ArgumentParser(add_help=False)
     rollout.add_args(rollout_parser)
@@ -471,7 +476,7 @@ def main(argv=None) -> int:
         if n not in GRPO_VARIANTS:
             p.error(f"--variants: unknown variant {n!r}; choose from {'; '.join(GRPO_VARIANTS)}")
     if ("peer" in sections or "staleness" in sections) and "grpo" not in sections:
-        names = [n for n in names if n in ("grpo_base", "grpo_spec")]  # the rows the peer table compares against
+        names = [n for n in names if n in ("grpo_base", "grpo_spec", "grpo_spec drafter online")]  # the rows peer and cost compare against
         sections = ["grpo", *sections]
     steps = args.steps or (5 if args.quick else 60)
     try:
@@ -548,16 +553,24 @@ def main(argv=None) -> int:
             emit("Policy workers", policy_workers_text(stats))
 
     if "staleness" in sections:
-        if args.quick:
-            srows = runs["grpo_spec"][seeds[0]]
-        elif args.report_only:
-            srows = load_rows(run_dir(out, "grpo_spec long", seeds[0]))
-        else:
-            log(f"[staleness] grpo_spec for {args.staleness_steps} steps")
-            srows = run_grpo("grpo_spec long", *GRPO_VARIANTS["grpo_spec"], args.staleness_steps, out, False, seeds[0], args.resume)
-        results["staleness"] = srows
-        plot_staleness(srows, out / "staleness.png")
-        emit(f"Drafter staleness ({len(srows)} steps, drafter frozen)", staleness_table(srows), "staleness.png")
+        series = {}
+        for name, (config, overrides) in drafter_life.RUNS.items():
+            n_steps = args.cold_steps if name == "cold start" else args.staleness_steps
+            if args.quick:
+                n_steps = steps
+            if args.report_only:
+                series[name] = load_rows(run_dir(out, f"drafter {name}", seeds[0]))
+            else:
+                log(f"[staleness] drafter {name}: {n_steps} steps")
+                series[name] = run_grpo(f"drafter {name}", config, overrides, n_steps, out, args.quick, seeds[0], args.resume)
+        results["staleness"] = series
+        drafter_life.plot(series, out / "drafter_life.png", _plt())
+        plot_staleness(series["frozen"], out / "staleness.png")
+        body = drafter_life.staleness_table(series["frozen"], series["online"]) + "\n\n" + drafter_life.staleness_verdict(series["frozen"], series["online"])
+        emit(f"Drafter staleness: frozen and trained online ({len(series['frozen'])} steps, seed {seeds[0]})", body, "drafter_life.png")
+        emit(f"Drafter cold start ({len(series['cold start'])} steps, untrained drafter, online training)", drafter_life.cold_table(series["cold start"]))
+        if "grpo" in results:
+            emit("The cost of online drafter training", drafter_life.cost_text(results["grpo"]["stats"]))
 
     if "peer" in sections:
         peer_steps = args.peer_steps or (4 if args.quick else steps)

@@ -40,8 +40,15 @@ logger = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0)
-def _checksum_of(state_dict: dict[str, Any]) -> str:
-    return weights.checksum(state_dict)
+class _Checksummer:
+    """Computes the sender's checksum of a refit beside the engines' loads.
+
+    An actor, not a task: Ray reaps idle task workers after a second, so a task
+    per refit started a fresh process (and imported torch) every step, 1.7 s.
+    """
+
+    def checksum(self, state_dict: dict[str, Any]) -> str:
+        return weights.checksum(state_dict)
 
 
 class VllmGeneration:
@@ -54,7 +61,7 @@ class VllmGeneration:
         self._start(model, config, cluster or ClusterConfig(), seed, {})
 
     def _start(self, model: str, config: GenerationConfig, cluster: ClusterConfig, seed: int, start_kwargs: dict[str, Any]) -> None:
-        self.config, self.model, self.workers, self.pg = config, model, [], None
+        self.config, self.model, self.workers, self.pg, self._checksummer = config, model, [], None, None
         self._restart_args = (cluster, seed, start_kwargs)
         init_ray(cluster)
         on_gpu = cluster_has_gpus()
@@ -147,7 +154,9 @@ class VllmGeneration:
         does a checksum that differs from the sender's. Returns seconds.
         """
         ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(state_dict)
-        sent = _checksum_of.remote(ref)  # what was sent, computed beside the engines' loads
+        if self._checksummer is None:
+            self._checksummer = _Checksummer.options(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg)).remote()
+        sent = self._checksummer.checksum.remote(ref)  # what was sent, computed beside the engines' loads
         reports = self._get([w.update_weights.remote(ref, target) for w in self.workers])
         weights.verify_reports(reports, target, ray.get(sent))
         return max(r["time_s"] for r in reports)
@@ -188,6 +197,9 @@ class VllmGeneration:
             except Exception:  # already dead: nothing to release
                 pass
             ray.kill(w, no_restart=True)
+        if getattr(self, "_checksummer", None) is not None:
+            ray.kill(self._checksummer, no_restart=True)
+            self._checksummer = None
         self.workers = []
         if getattr(self, "pg", None) is not None:
             remove_placement_group(self.pg)
