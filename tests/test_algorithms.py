@@ -229,3 +229,13 @@ def test_time_until_done_and_tail_metrics():
         out.time_until_done(0.0)
     none = GenerationOutput(token_ids=[[1]], logprobs=[[0.0]], finish_reasons=["stop"])
     assert none.time_until_done(0.5) is None and tail_metrics(none) == {} and none.select([0]).finish_time_s == []
+
+
+def test_drafter_subset_is_bounded_seeded_and_complete_when_unbounded():
+    from rl_specdec.algorithms.drafter_upkeep import drafter_subset
+
+    assert drafter_subset(128, 0, step=3) == list(range(128))
+    assert drafter_subset(16, 32, step=3) == list(range(16))
+    a, b, c = drafter_subset(128, 32, step=3), drafter_subset(128, 32, step=3), drafter_subset(128, 32, step=4)
+    assert len(a) == 32 == len(set(a)) and a == sorted(a) and all(0 <= i < 128 for i in a)
+    assert a == b and a != c  # seeded by the step: reproducible, and a different subset each step

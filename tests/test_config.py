@@ -138,6 +138,12 @@ def test_defaults_inheritance_and_interpolation(tmp_path):
         (["policy.refit_bucket_bytes=0"], "policy.refit_bucket_bytes"),
         (["policy.placement_strategy=RANDOM"], "policy.placement_strategy"),
         (["policy.device=cuda"], "policy.device=cuda"),  # this machine has no CUDA and no cluster.address is set
+        (["policy.generation.drafter_training.enabled=true", "policy.generation.drafter_training.top_k=21"], "drafter_training.top_k"),
+        (["policy.generation.drafter_training.enabled=true", "policy.generation.drafter_training.every=0"], "drafter_training.every"),
+        (["policy.generation.drafter_training.enabled=true", "policy.generation.drafter_training.max_sequences=-1"], "drafter_training.max_sequences"),
+        (["policy.generation.drafter_training.enabled=true", "policy.generation.vllm_kwargs.speculative_config=null"], "needs speculation"),
+        (["policy.generation.acceptance_canary.action=ignore"], "acceptance_canary.action"),
+        (["policy.generation.acceptance_canary.min_ratio=1.5"], "acceptance_canary.min_ratio"),
     ],
 )
 def test_bad_values_name_the_key(overrides, needle):

@@ -18,6 +18,7 @@ carry the drafter's weights and optimizer (:meth:`save`, :meth:`load`).
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
 
 from rl_specdec.config import RunConfig
@@ -27,6 +28,13 @@ from rl_specdec.logging import Timer
 from rl_specdec.spec_decode.canary import AcceptanceCanary
 
 logger = logging.getLogger(__name__)
+
+
+def drafter_subset(n: int, max_sequences: int, step: int) -> list[int]:
+    """Indices of the rollouts the drafter trains on at ``step``: all, or ``max_sequences`` of them at random (seeded by the step)."""
+    if max_sequences <= 0 or max_sequences >= n:
+        return list(range(n))
+    return sorted(random.Random(step).sample(range(n), max_sequences))
 
 
 class DrafterUpkeep:
@@ -81,7 +89,9 @@ class DrafterUpkeep:
         if self.trains_at(step):
             from rl_specdec.drafter import distill_batch
 
-            self._batch = distill_batch(prompt_ids, out.token_ids, out.top_logprobs, self.training.top_k, pad_id)
+            idx = drafter_subset(len(prompt_ids), self.training.max_sequences, step)
+            pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+            self._batch = distill_batch(pick(prompt_ids), pick(out.token_ids), pick(out.top_logprobs), self.training.top_k, pad_id)
             if self.training.overlap:
                 self.trainer.train(self._batch)
 

@@ -130,6 +130,8 @@ def validate_speculation_care(gen: GenerationConfig) -> None:
         return
     for name in ("learning_rate", "steps_per_update", "every", "micro_batch_size"):
         _positive(f"{key}.drafter_training.{name}", getattr(d, name))
+    if d.max_sequences < 0:
+        raise ConfigError(f"{key}.drafter_training.max_sequences={d.max_sequences} must be >= 0 (0 trains on every rollout of the step)")
     if not 1 <= d.top_k <= 20:
         raise ConfigError(f"{key}.drafter_training.top_k={d.top_k} must be in 1..20 (vLLM returns at most 20 log-probs per token)")
     spec = gen.vllm_kwargs.get("speculative_config") or {}
