@@ -92,9 +92,12 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     "grpo_spec policy 2x": ("configs/grpo_spec.yaml", ["policy.num_workers=2"]),
     # the drafter distilled towards the policy after every step and refit (issue 13): its cost
     "grpo_spec drafter online": ("configs/grpo_spec.yaml", [drafter_life.ONLINE]),
+    "grpo_spec drafter light": ("configs/grpo_spec.yaml", drafter_life.LIGHT),
 }
 QUICK_VARIANTS = ["grpo_base", "grpo_spec"]
 TRAINER_VARIANTS = {"grpo_spec policy 2x"}  # change the trainer, not the rollouts: kept out of the speculation verdicts
+# the drafter trains beside the policy on the same cores: their train phase differs by design, not by chance
+DRAFTER_VARIANTS = {"grpo_spec drafter online", "grpo_spec drafter light"}
 # what every benchmark run changes: its own log folder, no wandb, no checkpoints, no bar
 COMMON = ["logger.wandb.enabled=false", "checkpoint.enabled=false", "logger.progress_bar=false"]
 # --quick: skip what only costs start-up time (the sampling self-check, validation, torch.compile)
@@ -178,6 +181,7 @@ def step_stats(rows: list[dict]) -> dict:
     }
     for p in PHASES:
         out[f"{p}_s"] = mean(f"timing/{p}")
+    out["drafter_train_s"] = _mean_or_none(rs, "timing/drafter_train")
     for pct in (50, 90, 100):
         out[f"done{pct}_s"] = _mean_or_none(rs, f"generation/time_to_{pct}pct_done")
     return out
@@ -208,12 +212,12 @@ def pool_train_time(stats: dict[str, dict]) -> None:
     cannot (a control variate).
     """
     for two in (False, True):
-        group = [n for n in stats if ("2x1" in n) == two and n not in TRAINER_VARIANTS]
+        group = [n for n in stats if ("2x1" in n) == two and n not in TRAINER_VARIANTS | DRAFTER_VARIANTS]
         if group:
             pooled = statistics.fmean(stats[n]["train_s"] for n in group)
             for n in group:
                 stats[n]["step_pooled_s"] = stats[n]["step_mean_s"] - stats[n]["train_s"] + pooled
-    for n in TRAINER_VARIANTS & set(stats):  # their train phase is what they change: pooled only with itself
+    for n in (TRAINER_VARIANTS | DRAFTER_VARIANTS) & set(stats):  # their train phase is what they change: pooled only with itself
         stats[n]["step_pooled_s"] = stats[n]["step_mean_s"]
 
 
@@ -476,7 +480,7 @@ def main(argv=None) -> int:
         if n not in GRPO_VARIANTS:
             p.error(f"--variants: unknown variant {n!r}; choose from {'; '.join(GRPO_VARIANTS)}")
     if ("peer" in sections or "staleness" in sections) and "grpo" not in sections:
-        names = [n for n in names if n in ("grpo_base", "grpo_spec", "grpo_spec drafter online")]  # the rows peer and cost compare against
+        names = [n for n in names if n in ("grpo_base", "grpo_spec", "grpo_spec drafter online", "grpo_spec drafter light")]  # the rows peer and cost compare against
         sections = ["grpo", *sections]
     steps = args.steps or (5 if args.quick else 60)
     try:
@@ -566,7 +570,7 @@ def main(argv=None) -> int:
         results["staleness"] = series
         drafter_life.plot(series, out / "drafter_life.png", _plt())
         plot_staleness(series["frozen"], out / "staleness.png")
-        body = drafter_life.staleness_table(series["frozen"], series["online"]) + "\n\n" + drafter_life.staleness_verdict(series["frozen"], series["online"])
+        body = drafter_life.staleness_table(series) + "\n\n" + drafter_life.staleness_verdict(series)
         emit(f"Drafter staleness: frozen and trained online ({len(series['frozen'])} steps, seed {seeds[0]})", body, "drafter_life.png")
         emit(f"Drafter cold start ({len(series['cold start'])} steps, untrained drafter, online training)", drafter_life.cold_table(series["cold start"]))
         if "grpo" in results:

@@ -28,9 +28,12 @@ from rollout import fmt
 
 SPEC = "policy.generation.vllm_kwargs.speculative_config"
 ONLINE = "policy.generation.drafter_training.enabled=true"
+# online training at a bounded cost: every 2nd step, on 16 of the step's 128 rollouts (1/16 of the work)
+LIGHT = [ONLINE, "policy.generation.drafter_training.every=2", "policy.generation.drafter_training.max_sequences=16"]
 RUNS: dict[str, tuple[str, list[str]]] = {
     "frozen": ("configs/grpo_spec.yaml", []),
     "online": ("configs/grpo_spec.yaml", [ONLINE]),
+    "online light": ("configs/grpo_spec.yaml", LIGHT),
     "cold start": ("configs/grpo_spec.yaml", [ONLINE, f"{SPEC}.model=toy:drafter-untrained"]),
 }
 COLD_GOAL = 2.5  # acceptance length the cold start should reach within 50 steps
@@ -45,26 +48,29 @@ def _buckets(rows: list[dict], size: int) -> list[list[dict]]:
     return [rows[i : i + size] for i in range(0, len(rows), size)]
 
 
-def staleness_table(frozen: list[dict], online: list[dict], size: int = 20) -> str:
-    """Acceptance length and rate per ``size``-step bucket, frozen and online side by side."""
+def staleness_table(series: dict[str, list[dict]], size: int = 20) -> str:
+    """Acceptance length per ``size``-step bucket of each long run, side by side, and the policy's drift."""
+    names = [n for n in series if n != "cold start"]
     lines = [
-        "| steps | acceptance length, frozen | acceptance length, online | online / frozen | acceptance rate, frozen | acceptance rate, online | drafter KL (online) | policy KL to start (frozen, online) | train reward (frozen, online) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| steps | " + " | ".join(f"acceptance length, {n}" for n in names) + " | " + " | ".join(f"{n} / frozen" for n in names[1:])
+        + " | " + " | ".join(f"drafter KL, {n}" for n in names[1:]) + " | policy KL to start (frozen) | train reward (frozen) |",
+        "|---|" + "---|" * (3 * len(names) - 2 + 2),
     ]
-    for f, o in zip(_buckets(frozen, size), _buckets(online, size)):
-        lf, lo = _mean(f, "spec_decode/acceptance_length"), _mean(o, "spec_decode/acceptance_length")
+    for i, f in enumerate(_buckets(series["frozen"], size)):
+        b = {n: _buckets(series[n], size)[i] if i < len(_buckets(series[n], size)) else [] for n in names}
+        ln = {n: _mean(b[n], "spec_decode/acceptance_length") for n in names}
         lines.append(
-            f"| {f[0]['step']}–{f[-1]['step']} | {fmt(lf, '{:.3f}')} | {fmt(lo, '{:.3f}')} | {fmt(lo / lf if lf and lo else None, '{:.3f}x')} | "
-            f"{fmt(_mean(f, 'spec_decode/acceptance_rate'), '{:.3f}')} | {fmt(_mean(o, 'spec_decode/acceptance_rate'), '{:.3f}')} | "
-            f"{fmt(_mean(o, 'drafter/kl'), '{:.3f}')} | {fmt(_mean(f, 'train/kl'), '{:.3f}')}, {fmt(_mean(o, 'train/kl'), '{:.3f}')} | "
-            f"{fmt(_mean(f, 'train/reward_mean'), '{:.2f}')}, {fmt(_mean(o, 'train/reward_mean'), '{:.2f}')} |"
+            f"| {f[0]['step']}–{f[-1]['step']} | " + " | ".join(fmt(ln[n], "{:.3f}") for n in names) + " | "
+            + " | ".join(fmt(ln[n] / ln["frozen"] if ln[n] and ln["frozen"] else None, "{:.3f}x") for n in names[1:]) + " | "
+            + " | ".join(fmt(_mean(b[n], "drafter/kl"), "{:.3f}") for n in names[1:])
+            + f" | {fmt(_mean(f, 'train/kl'), '{:.3f}')} | {fmt(_mean(f, 'train/reward_mean'), '{:.2f}')} |"
         )
     return "\n".join(lines)
 
 
-def staleness_verdict(frozen: list[dict], online: list[dict], size: int = 20) -> str:
+def staleness_verdict(series: dict[str, list[dict]], size: int = 20) -> str:
     out = []
-    for name, rows in (("frozen", frozen), ("online", online)):
+    for name, rows in ((n, r) for n, r in series.items() if n != "cold start"):
         first, last = _mean(rows[:size], "spec_decode/acceptance_length"), _mean(rows[-size:], "spec_decode/acceptance_length")
         if first and last:
             out.append(f"{name}: acceptance length {first:.3f} in steps 1–{size}, {last:.3f} in the last {size} steps ({last / first:.3f}x)")
@@ -90,17 +96,22 @@ def cold_table(rows: list[dict], size: int = 5) -> str:
 
 def cost_text(stats: dict[str, dict]) -> str:
     """Online drafter training against the frozen drafter and grpo_base, from the grpo section (every seed)."""
-    on, fr, base = stats.get("grpo_spec drafter online"), stats.get("grpo_spec"), stats.get("grpo_base")
-    if not (on and fr):
-        return "_run the grpo section with the variants grpo_spec and 'grpo_spec drafter online' for the cost._"
-    text = (
-        f"Online drafter training, median step {on['step_s']:.2f} s against {fr['step_s']:.2f} s frozen ({on['step_s'] / fr['step_s']:.3f}x; "
-        f"train pooled {on['step_pooled_s']:.2f} vs {fr['step_pooled_s']:.2f} s, {on['step_pooled_s'] / fr['step_pooled_s']:.3f}x); "
-        f"generation {on['generation_s']:.2f} vs {fr['generation_s']:.2f} s; acceptance length {fmt(on['acceptance_length'], '{:.2f}')} vs {fmt(fr['acceptance_length'], '{:.2f}')}."
-    )
-    if base:
-        text += f" Against grpo_base: {on['step_s'] / base['step_s']:.3f}x (frozen {fr['step_s'] / base['step_s']:.3f}x)."
-    return text
+    fr, base = stats.get("grpo_spec"), stats.get("grpo_base")
+    variants = [n for n in ("grpo_spec drafter online", "grpo_spec drafter light") if n in stats]
+    if not (fr and variants):
+        return "_run the grpo section with grpo_spec and 'grpo_spec drafter online' (or 'grpo_spec drafter light') for the cost._"
+    lines = [
+        "| variant | step (s, median) | vs frozen | train pooled (s) | vs frozen | train phase (s) | drafter train (s, its actor) | generation (s) | acceptance length | vs grpo_base |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n in ["grpo_spec", *variants]:
+        s = stats[n]
+        lines.append(
+            f"| {n}{' (frozen)' if n == 'grpo_spec' else ''} | {s['step_s']:.2f} | {s['step_s'] / fr['step_s']:.3f}x | {s['step_pooled_s']:.2f} | "
+            f"{s['step_pooled_s'] / fr['step_pooled_s']:.3f}x | {s['train_s']:.2f} | {fmt(s.get('drafter_train_s'), '{:.2f}')} | {s['generation_s']:.2f} | "
+            f"{fmt(s['acceptance_length'], '{:.2f}')} | {fmt(s['step_s'] / base['step_s'] if base else None, '{:.3f}x')} |"
+        )
+    return "\n".join(lines)
 
 
 def plot(series: dict[str, list[dict]], path: Path, plt) -> None:
