@@ -109,7 +109,7 @@ def setup(cfg: RunConfig) -> GRPORun:
         if latest is not None:
             run.start_step = _resume(run, *latest)
         # the engines hold exactly the trainers' weights before the first rollout (dummy-loaded or not)
-        generation.update_weights(policy.state_dict_for_refit())
+        generation.update_weights_buckets(policy.state_dict_buckets())
         drafter.sync(generation)
     except BaseException:
         run.shutdown()
@@ -240,8 +240,8 @@ def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
         batch = build_train_batch(trajectories, advantages[keep], run.tokenizer.pad_token_id)
         train_metrics = run.policy.train_step(batch, run.loss_fn)
 
-    with timer("refit"):  # 6. the engines' target model gets the new weights (verified)
-        run.generation.update_weights(run.policy.state_dict_for_refit())
+    with timer("refit"):  # 6. the engines' target model gets the new weights, streamed in buckets (verified)
+        run.generation.update_weights_buckets(run.policy.state_dict_buckets())
     spec.update(run.drafter.after_refit(run.generation, timer))  # and the drafter, when it trained
 
     val_metrics = {}

@@ -197,6 +197,19 @@ class AsyncVllmWorker(VllmWorkerBase):
             await self.engine.reset_prefix_cache()
         return {**report, "time_s": time.time() - t0}
 
+    async def begin_reload(self, target: str = "policy") -> dict[str, Any]:
+        return (await self.engine.collective_rpc("rl_specdec_begin_reload", args=(target,)))[0]
+
+    async def load_bucket(self, bucket: dict[str, Any]) -> dict[str, Any]:
+        from rl_specdec.generation.weights import pack
+
+        return (await self.engine.collective_rpc("rl_specdec_load_bucket", args=(pack(bucket),)))[0]
+
+    async def end_reload(self) -> dict[str, Any]:
+        report = (await self.engine.collective_rpc("rl_specdec_end_reload"))[0]
+        await self.engine.reset_prefix_cache()
+        return report
+
     async def reset_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import ray
 from ray.exceptions import RayActorError
@@ -154,12 +154,41 @@ class VllmGeneration:
         does a checksum that differs from the sender's. Returns seconds.
         """
         ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(state_dict)
-        if self._checksummer is None:
-            self._checksummer = _Checksummer.options(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg)).remote()
-        sent = self._checksummer.checksum.remote(ref)  # what was sent, computed beside the engines' loads
+        sent = self._checksummer_actor().checksum.remote(ref)  # what was sent, computed beside the engines' loads
         reports = self._get([w.update_weights.remote(ref, target) for w in self.workers])
         weights.verify_reports(reports, target, ray.get(sent))
         return max(r["time_s"] for r in reports)
+
+    def update_weights_buckets(self, buckets: Iterable[dict[str, Any] | ray.ObjectRef], target: str = "policy") -> float:
+        """Refit from a stream of ObjectRefs of state-dict pieces (``PolicyInterface.state_dict_buckets``).
+
+        Every engine loads each bucket as it comes (vLLM's layerwise reload, opened once
+        and closed after the last bucket), so neither the object store nor an engine
+        needs a second copy of the whole model. Verified bucket by bucket (names, shapes,
+        the sender's checksum) and at the end (nothing missing); a problem raises
+        ``WeightIntegrityError`` naming the engine and the tensor. Unlike
+        :meth:`update_weights`, buckets before a refused one stay loaded: the run stops.
+        Returns seconds.
+        """
+        t0 = time.time()
+        try:
+            begun = self._get([w.begin_reload.remote(target) for w in self.workers])
+            weights.verify_reports([{**r, "checksum": None} for r in begun], target, None)
+            for piece in buckets:
+                ref = piece if isinstance(piece, ray.ObjectRef) else ray.put(piece)
+                sent = self._checksummer_actor().checksum.remote(ref)
+                reports = self._get([w.load_bucket.remote(ref) for w in self.workers])
+                weights.verify_reports(reports, target, ray.get(sent), streamed=True)
+                del ref, piece  # the policy's stream runs ahead only a few buckets: let this one go
+        finally:
+            ends = self._get([w.end_reload.remote() for w in self.workers])
+        weights.verify_reports([{**r, "checksum": None} for r in ends], target, None, streamed=True)
+        return time.time() - t0
+
+    def _checksummer_actor(self):
+        if self._checksummer is None:
+            self._checksummer = _Checksummer.options(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg)).remote()
+        return self._checksummer
 
     def reset_prefix_cache(self) -> None:
         self._get([w.reset_prefix_cache.remote() for w in self.workers])

@@ -116,6 +116,13 @@ class RolloutEngine(Protocol):
         """
         ...
 
+    def update_weights_buckets(self, buckets: Any, target: str = "policy") -> float:
+        """The same, from an iterable of state-dict pieces (or ObjectRefs to them), loaded one at a time.
+
+        Verified per piece and at the end. Returns seconds.
+        """
+        ...
+
     def reset_prefix_cache(self) -> None: ...
 
     def disable_speculation(self) -> None:
