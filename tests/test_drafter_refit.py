@@ -155,7 +155,7 @@ def test_refitting_random_drafter_weights_trips_the_canary(eng_draft, toy, token
 
 def test_a_streamed_refit_in_small_buckets_is_lossless_and_verified(eng_draft, eng_none, hf_policy, task_prompts, hf_reference, tokenizer):
     """The loop's refit path: policy weights W streamed in buckets smaller than a layer. Greedy tokens
-    equal transformers' on W; a wrong shape in the last bucket is named; streamed back to the real
+    equal transformers' on W; a wrong shape in a late bucket is named; streamed back to the real
     weights, greedy and the temperature-1 distribution are the policy's again."""
     import copy
 
@@ -176,8 +176,9 @@ def test_a_streamed_refit_in_small_buckets_is_lossless_and_verified(eng_draft, e
     try:
         assert _greedy(eng_draft, task_prompts)[0] == want
         bad = pieces(w)
-        bad[-1] = {k: (v[:-1] if k == "model.norm.weight" else v) for k, v in bad[-1].items()}
-        assert "model.norm.weight" in bad[-1]
+        i = next(i for i, b in enumerate(bad) if "model.norm.weight" in b)
+        assert i > 2, "the bad tensor must come after buckets that load"
+        bad[i] = {k: (v[:-1] if k == "model.norm.weight" else v) for k, v in bad[i].items()}
         with pytest.raises(WeightIntegrityError, match=r"engine 0 refused the policy refit \(the buckets before .* 'model\.norm\.weight' has shape"):
             eng_draft.update_weights_buckets(bad)
     finally:
