@@ -117,12 +117,12 @@ def cost_text(stats: dict[str, dict]) -> str:
 def plot(series: dict[str, list[dict]], path: Path, plt) -> None:
     """Acceptance length per step (10-step mean) of each run, and the online drafter's KL to the policy."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
-    for name, rows in series.items():
+    for c, (name, rows) in enumerate(series.items()):
         steps = [r["step"] for r in rows]
         length = [r.get("spec_decode/acceptance_length") for r in rows]
-        axes[0].plot(steps, [statistics.fmean(x for x in length[max(0, i - 9) : i + 1] if x is not None) for i in range(len(length))], label=name)
+        axes[0].plot(steps, [statistics.fmean(x for x in length[max(0, i - 9) : i + 1] if x is not None) for i in range(len(length))], color=f"C{c}", label=name)
         if any(r.get("drafter/kl") is not None for r in rows):
-            axes[1].plot(steps, [r.get("drafter/kl") for r in rows], ".", ms=3, label=name)
+            axes[1].plot(steps, [r.get("drafter/kl") for r in rows], ".", ms=3, color=f"C{c}", label=name)
     axes[0].axhline(COLD_GOAL, color="grey", lw=0.6, ls="--")
     axes[0].set(xlabel="step", ylabel="acceptance length (10-step mean)", title="the drafter while the policy trains")
     axes[1].set(xlabel="step", ylabel="KL(policy || drafter), rollout positions", title="online drafter training")
