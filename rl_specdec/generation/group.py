@@ -173,7 +173,7 @@ class VllmGeneration:
         t0 = time.time()
         try:
             begun = self._get([w.begin_reload.remote(target) for w in self.workers])
-            weights.verify_reports([{**r, "checksum": None} for r in begun], target, None)
+            weights.verify_reports(begun, target, None)
             for piece in buckets:
                 ref = piece if isinstance(piece, ray.ObjectRef) else ray.put(piece)
                 sent = self._checksummer_actor().checksum.remote(ref)
@@ -182,7 +182,7 @@ class VllmGeneration:
                 del ref, piece  # the policy's stream runs ahead only a few buckets: let this one go
         finally:
             ends = self._get([w.end_reload.remote() for w in self.workers])
-        weights.verify_reports([{**r, "checksum": None} for r in ends], target, None, streamed=True)
+        weights.verify_reports(ends, target, None, streamed=True)
         return time.time() - t0
 
     def _checksummer_actor(self):

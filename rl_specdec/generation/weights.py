@@ -132,11 +132,11 @@ def verify_reports(reports: list[dict[str, Any]], target: str, expected_checksum
                 + ". The trainer's state dict does not match the engine's model: check that both load the same "
                 "architecture (policy.model_name / speculative_config.model) and that names are Hugging Face names."
             )
-        if expected_checksum is not None and r["checksum"] != expected_checksum:
+        if expected_checksum is not None and r.get("checksum") != expected_checksum:
             raise WeightIntegrityError(
                 f"engine {i} received {target} weights with checksum {r['checksum']}, but {expected_checksum} was "
                 "sent: the weights were corrupted on the way. Restart the run (resume=true)."
             )
-    sums = {r["checksum"] for r in reports}
+    sums = {r.get("checksum") for r in reports}
     if len(sums) > 1:
         raise WeightIntegrityError(f"the engines hold different {target} weights after one refit (checksums {sorted(sums)})")
