@@ -5,7 +5,7 @@ Runs ``examples/agent_grpo.py --json`` once per seed, each in a fresh process
 and right-key rate at temperature 1, before and after ``--steps`` GRPO steps.
 The tool toy is built on first use (cached), before the first seed runs.
 
-    python benchmarks/agent_success.py                       # seeds 0 and 1, 10 steps
+    python benchmarks/agent_success.py                       # seeds 0 and 1, 30 steps
     python benchmarks/agent_success.py --seeds 0 1 2 --steps 20 --out results/agent
 """
 
@@ -32,13 +32,17 @@ def run_seed(seed: int, args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval", type=int, default=128, help="held-out episodes before and after")
     ap.add_argument("--spec", choices=["draft_model", "ngram", "none"], default="draft_model")
     ap.add_argument("--out", default=None, help="folder for results.json and table.md")
     args = ap.parse_args(argv)
 
+    import os
+
     from rl_specdec.toy.tools import build_tool_toy
+
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
 
     build_tool_toy()  # once, before the seeds (each run would otherwise wait on the same build)
     runs = [run_seed(s, args) for s in args.seeds]
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     mean_b = statistics.mean(r["before"]["correct"] for r in runs)
     mean_a = statistics.mean(r["after"]["correct"] for r in runs)
     lines.append(f"| mean | {mean_b:.3f} | {mean_a:.3f} | | |")
-    note = f"{args.steps} GRPO steps (8 episodes x 8 plays), speculation {args.spec}, {args.eval} held-out episodes at temperature 1"
+    note = f"{args.steps} GRPO steps (16 episodes x 8 plays), speculation {args.spec}, {args.eval} held-out episodes at temperature 1"
     table = "\n".join(lines)
     print(table + "\n" + note)
     if args.out:

@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     }[args.spec]
     prompts = [s.prompt[:-1] for s in SortingTask().make_batch(seed=args.seed + 17, n=64)]  # the template adds "="
     cores, load0 = usable_cores(), os.getloadavg()
+    print(f"load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} ({cores} cores)", flush=True)
     kw = validate_vllm_kwargs(toy_engine_kwargs(speculative_config=spec), str(toy.policy))
     server = {"chat_template": TOY_CHAT_TEMPLATE, "served_model_name": "toy"}
     g = ABGeneration(str(toy.policy), GenerationConfig(num_engines=1, cpus_per_engine=cores, vllm_kwargs=kw), ClusterConfig(num_cpus=cores), server, legacy_source)

@@ -63,15 +63,20 @@ class Episode:
 
 @dataclass
 class LookupTask:
-    """Episodes (a key and its table) and the verifier. ``key_len``/``value_len``: characters per key/value."""
+    """Episodes (a key and its table) and the verifier.
+
+    ``key_len``/``value_len``: characters per key/value; one-letter keys come from the
+    first ``num_keys`` letters of the alphabet.
+    """
 
     key_len: int = 1
     value_len: int = 3
+    num_keys: int = 26
     validation_offset: int = 1_000_003  # validation seeds never meet training seeds
 
     def sample_episode(self, rng: random.Random) -> Episode:
         if self.key_len == 1:
-            keys = list(KEYS)
+            keys = list(KEYS[: self.num_keys])
         else:
             keys = sorted({"".join(rng.choice(KEYS) for _ in range(self.key_len)) for _ in range(26)})
         table = tuple((k, "".join(rng.choice(DIGITS) for _ in range(self.value_len))) for k in keys)

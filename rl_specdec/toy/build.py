@@ -29,6 +29,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 BUILD_VERSION = 3  # bump when the build procedure changes
 
@@ -47,10 +48,11 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class ToyBuildConfig:
+class PairBuildConfig:
+    """What a toy policy/drafter pair's build depends on; :meth:`key` (its hash) names the cache folder."""
+
+    version: ClassVar[int] = 0  # bump in a subclass when its build changes without a field changing
     seed: int = 0
-    min_len: int = 4
-    max_len: int = 24
     policy: ModelShape = ModelShape(256, 4, 8, 768)
     drafter: ModelShape = ModelShape(128, 2, 4, 384)
     policy_steps: int = 120
@@ -59,8 +61,15 @@ class ToyBuildConfig:
     lr: float = 2e-3
 
     def key(self) -> str:
-        blob = json.dumps({"v": BUILD_VERSION, **asdict(self)}, sort_keys=True)
+        blob = json.dumps({"v": self.version, **asdict(self)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class ToyBuildConfig(PairBuildConfig):
+    version: ClassVar[int] = BUILD_VERSION
+    min_len: int = 4
+    max_len: int = 24
 
 
 @dataclass
@@ -189,23 +198,14 @@ def build_toy_models(cfg: ToyBuildConfig | None = None, root: Path | None = None
         return out
     tokenizer = build_tokenizer()
     log(f"[toy] building the toy policy and drafter into {root} (first run only, ~2 min)")
-    build_pair(
-        root,
-        tokenizer,
-        lambda rng: _sft_batch(rng, cfg, tokenizer),
-        (cfg.policy, cfg.drafter),
-        (cfg.policy_steps, cfg.drafter_steps),
-        cfg.lr,
-        cfg.seed,
-        asdict(cfg),
-        log,
-    )
+    build_pair(root, cfg, tokenizer, lambda rng: _sft_batch(rng, cfg, tokenizer), log)
     return out
 
 
-def build_pair(root: Path, tokenizer, batches, shapes, steps, lr: float, seed: int, meta: dict, log=print, model_config=None, check=None) -> None:
+def build_pair(root: Path, cfg: PairBuildConfig, tokenizer, batches, log=print, model_config=None, check=None) -> None:
     """Train a policy (SFT) and a drafter (distilled from it) on ``batches(rng)`` and save both into ``root``.
 
+    ``cfg`` gives the shapes, steps, learning rate and seed; it is saved as ``build.json``.
     ``model_config(shape)`` gives each model's Qwen2 config (default: the digit toy's
     vocabulary). The folder is written under a temporary name and renamed into place;
     ``check(folder)`` runs on each saved model folder before that.
@@ -215,17 +215,17 @@ def build_pair(root: Path, tokenizer, batches, shapes, steps, lr: float, seed: i
 
     model_config = model_config or qwen2_config
     t0 = time.time()
-    torch.manual_seed(seed)
+    torch.manual_seed(cfg.seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
-        policy = Qwen2ForCausalLM(model_config(shapes[0]))
+        policy = Qwen2ForCausalLM(model_config(cfg.policy))
         log(f"[toy] policy: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M parameters, SFT")
-        train_lm(policy, batches, tokenizer.pad_token_id, lr, steps[0], seed, log=log)
-        torch.manual_seed(seed + 1)
-        drafter = Qwen2ForCausalLM(model_config(shapes[1]))
+        train_lm(policy, batches, tokenizer.pad_token_id, cfg.lr, cfg.policy_steps, cfg.seed, log=log)
+        torch.manual_seed(cfg.seed + 1)
+        drafter = Qwen2ForCausalLM(model_config(cfg.drafter))
         log(f"[toy] drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, distilled")
-        train_lm(drafter, batches, tokenizer.pad_token_id, lr, steps[1], seed + 1, teacher=policy, log=log)
+        train_lm(drafter, batches, tokenizer.pad_token_id, cfg.lr, cfg.drafter_steps, cfg.seed + 1, teacher=policy, log=log)
     finally:
         torch.set_num_threads(threads)
 
@@ -237,7 +237,7 @@ def build_pair(root: Path, tokenizer, batches, shapes, steps, lr: float, seed: i
             tokenizer.save_pretrained(tmp / name)
             if check is not None:
                 check(tmp / name)
-        (tmp / "build.json").write_text(json.dumps(meta, indent=2))
+        (tmp / "build.json").write_text(json.dumps(asdict(cfg), indent=2))
         (tmp / "DONE").write_text(f"{time.time() - t0:.1f}s\n")
         try:
             os.rename(tmp, root)

@@ -32,15 +32,14 @@ own key, on first use only.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from rl_specdec.toy.build import EOS, PAD, ModelShape, ToyModels, build_pair, cache_root, pad_batch, qwen2_config
+from rl_specdec.toy.build import EOS, PAD, ModelShape, PairBuildConfig, ToyModels, build_pair, cache_root, pad_batch, qwen2_config
 
-TOOL_BUILD_VERSION = 1
+TOOL_BUILD_VERSION = 2
 TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tools>", "</tools>"]
 CHARS = list("0123456789=abcdefghijklmnopqrstuvwxyz") + list('{}[]":, \n')
 VOCAB = [PAD, EOS] + TAGS + CHARS
@@ -70,20 +69,20 @@ TOOL_CHAT_TEMPLATE = (
 
 
 @dataclass(frozen=True)
-class ToolToyConfig:
-    seed: int = 0
+class ToolToyConfig(PairBuildConfig):
+    version: ClassVar[int] = TOOL_BUILD_VERSION
     key_len: int = 1
     value_len: int = 3
-    policy: ModelShape = ModelShape(256, 4, 8, 768)
-    drafter: ModelShape = ModelShape(128, 2, 4, 384)
-    policy_steps: int = 60
-    drafter_steps: int = 40
+    num_keys: int = 8  # one-letter keys a..h: the toy learns to copy each of them
+    direct_rate: float = 0.5  # SFT examples that answer a guessed value without calling the tool ...
+    direct_from: int = 250  # ... from this SFT step on (copying is learned first, from tool episodes only)
+    policy_steps: int = 400
     batch_size: int = 32
-    lr: float = 2e-3
 
-    def key(self) -> str:
-        blob = json.dumps({"v": TOOL_BUILD_VERSION, **asdict(self)}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+    def task(self):
+        from rl_specdec.environments.lookup import LookupTask
+
+        return LookupTask(self.key_len, self.value_len, self.num_keys)
 
 
 def _symbol(c: str) -> str:
@@ -121,16 +120,24 @@ def check_saved_tokenizer(folder: str | Path) -> None:
         )
 
 
-def sft_example(tok, episode) -> tuple[list[int], list[int]]:
-    """(ids, loss mask) of a whole episode as the spliced conversation looks; loss on the model's turns."""
+def sft_example(tok, episode, guess: str | None = None) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of a whole episode as the spliced conversation looks; loss on the model's turns.
+
+    With ``guess``, the model answers it at once without calling the tool (the
+    behaviour RL has to train away: a guessed value is almost never right).
+    """
     from rl_specdec.environments.lookup import model_tool_call
 
-    segments = [
-        ("<tools>lookup</tools>" + episode.key + "=", 0),
-        (model_tool_call(episode.key) + EOS, 1),
-        ("<tool_response>" + episode.value + "</tool_response>", 0),
-        (episode.value + EOS, 1),
-    ]
+    prompt = ("<tools>lookup</tools>" + episode.key + "=", 0)
+    if guess is not None:
+        segments = [prompt, (guess + EOS, 1)]
+    else:
+        segments = [
+            prompt,
+            (model_tool_call(episode.key) + EOS, 1),
+            ("<tool_response>" + episode.value + "</tool_response>", 0),
+            (episode.value + EOS, 1),
+        ]
     ids, mask = [], []
     for text, m in segments:
         t = tok.encode(text, add_special_tokens=False)
@@ -139,12 +146,21 @@ def sft_example(tok, episode) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def _sft_batch(rng: random.Random, cfg: ToolToyConfig, tok):
-    from rl_specdec.environments.lookup import LookupTask
+class _SftBatches:
+    """``(ids [B, T], loss mask [B, T])`` per call; guessed answers appear from step ``cfg.direct_from`` on."""
 
-    task = LookupTask(cfg.key_len, cfg.value_len)
-    examples = [sft_example(tok, task.sample_episode(rng)) for _ in range(cfg.batch_size)]
-    return pad_batch([i for i, _ in examples], [m for _, m in examples], tok.pad_token_id)
+    def __init__(self, cfg: ToolToyConfig, tok):
+        self.cfg, self.tok, self.task, self.step = cfg, tok, cfg.task(), 0
+
+    def __call__(self, rng: random.Random):
+        cfg, examples = self.cfg, []
+        rate = cfg.direct_rate if self.step >= cfg.direct_from else 0.0
+        self.step += 1
+        for _ in range(cfg.batch_size):
+            ep = self.task.sample_episode(rng)
+            guess = "".join(rng.choice("0123456789") for _ in range(cfg.value_len)) if rng.random() < rate else None
+            examples.append(sft_example(self.tok, ep, guess))
+        return pad_batch([i for i, _ in examples], [m for _, m in examples], self.tok.pad_token_id)
 
 
 def _model_config(shape: ModelShape):
@@ -161,17 +177,5 @@ def build_tool_toy(cfg: ToolToyConfig | None = None, root: Path | None = None, l
     if not (root / "DONE").exists():
         tok = build_tool_tokenizer()
         log(f"[tool toy] building the tool-calling policy and drafter into {root} (first use only)")
-        build_pair(
-            root,
-            tok,
-            lambda rng: _sft_batch(rng, cfg, tok),
-            (cfg.policy, cfg.drafter),
-            (cfg.policy_steps, cfg.drafter_steps),
-            cfg.lr,
-            cfg.seed,
-            asdict(cfg),
-            log,
-            model_config=_model_config,
-            check=check_saved_tokenizer,
-        )
+        build_pair(root, cfg, tok, _SftBatches(cfg, tok), log, model_config=_model_config, check=check_saved_tokenizer)
     return ToyModels(root)
