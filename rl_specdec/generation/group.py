@@ -242,12 +242,13 @@ class AsyncVllmGeneration(VllmGeneration):
     actor_options = {"max_concurrency": 1000}
 
     def __init__(self, model: str, config: GenerationConfig, cluster: ClusterConfig | None = None, seed: int = 0, server: Any = None):
-        from rl_specdec.generation.server import ServerConfig
+        """``server``: a :class:`~rl_specdec.generation.server.ServerConfig` or its fields as a dict; None: no HTTP."""
+        from rl_specdec.generation.server import ServerConfig, check_reasoning_parser
 
         if isinstance(server, ServerConfig):
             server = dataclasses.asdict(server)
-        if server is not None:
-            ServerConfig(**server).check()
+        if server is not None:  # load-time errors, before any actor starts
+            check_reasoning_parser(ServerConfig.from_dict(server), config.vllm_kwargs.get("reasoning_parser"))
         self._start(model, config, cluster or ClusterConfig(), seed, {"server": server})
 
     def base_urls(self) -> list[str | None]:
