@@ -11,10 +11,11 @@ the loss contract are in :mod:`rl_specdec.policy.interface`.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -71,8 +72,6 @@ class PolicyWorker:
 
     def start(self, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0, *, num_threads: int | None = None, local_rank: int = 0) -> None:
         """Join the process group (if any), load the model, shard or replicate it, build the optimizer."""
-        from transformers import AutoModelForCausalLM
-
         cfg = self.config
         torch.manual_seed(self.seed)
         if cfg.device == "cuda":  # a reserved GPU is cuda:0 in this actor; a shared node's GPUs go by local rank
@@ -85,15 +84,48 @@ class PolicyWorker:
         if needs_process_group(world_size, cfg.strategy):
             init_process_group(rank, world_size, master_addr, master_port, self.device)
         self.dtype = getattr(torch, cfg.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model_name, dtype=self.dtype).to(self.device)
+        adamw = functools.partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        self._attach(self._load(), adamw, self._load if self.keep_reference else None)
+
+    def _load(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.config.model_name, dtype=self.dtype).to(self.device)
+
+    @classmethod
+    def from_module(cls, config: PolicyConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> PolicyWorker:
+        """A started single-process worker around an in-memory ``model`` and its ``optimizer`` (tests).
+
+        The same micro-batching, train step and loss contract as a loaded
+        worker; ``config`` gives ``micro_batch_size`` and ``max_grad_norm`` (its
+        model, dtype, device and optimizer settings are not used: the model
+        stays where it is). ``model(input_ids=..., attention_mask=...)`` must
+        return an object with ``.logits`` [N, T, V]. It joins no process
+        group: in a process without torch.distributed the model is trained as
+        it is (neither wrapped nor sharded). No reference model is kept.
+        """
+        self = cls(config)
+        self.device = next(model.parameters()).device
+        self._attach(model, lambda _params: optimizer, load_reference=None)
+        return self
+
+    def _attach(self, model: torch.nn.Module, make_optimizer: Callable[[Iterator[torch.nn.Parameter]], torch.optim.Optimizer], load_reference: Callable[[], torch.nn.Module] | None) -> None:
+        """The one path from a model to a trainable worker, whoever built the model.
+
+        The model is wrapped (DDP) or sharded (FSDP2) first; the frozen
+        reference is loaded only then, so one unsharded model sits in memory
+        at a time; the optimizer is built last, over the parameters as
+        sharding left them.
+        """
+        self.model = model
         self.model.train()
-        self.train_model = wrap_for_training(self.model, cfg.strategy, self.device)  # DDP wrapper, or the FSDP2-sharded model
+        self.train_model = wrap_for_training(self.model, self.config.strategy, self.device)  # DDP wrapper, or the FSDP2-sharded model
         self.ref = None
-        if self.keep_reference:
-            ref = AutoModelForCausalLM.from_pretrained(cfg.model_name, dtype=self.dtype).to(self.device).eval()
+        if load_reference is not None:
+            ref = load_reference().eval()
             ref.requires_grad_(False)
-            self.ref = shard_frozen(ref, cfg.strategy, self.device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+            self.ref = shard_frozen(ref, self.config.strategy, self.device)
+        self.opt = make_optimizer(self.model.parameters())
 
     def _micro_batches(self, batch: dict[str, torch.Tensor], keep_order: bool = False):
         """Length-sorted micro-batches, each trimmed to its own longest sequence.
