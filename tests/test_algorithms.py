@@ -2,6 +2,7 @@
 
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -210,8 +211,42 @@ def test_sorting_pool_is_a_fixed_dataset_and_validation_is_held_out():
     a = t.make_batch(7, 8)
     assert a == t.make_batch(7, 8) and {s.prompt for s in a} <= pool and len({s.prompt for s in a}) == 8
     val = t.validation_batch(10**9 + 7, 64)
-    assert len({s.prompt for s in val} & pool) < 4  # held out (random digit strings rarely collide)
+    assert all(t.is_held_out(s) for s in val) and not any(t.is_held_out(s) for s in t.pool())
     assert SortingTask().make_batch(7, 8) != a  # dataset_size=0: fresh problems
+
+
+def test_held_out_split_is_disjoint_and_keeps_the_length_mix():
+    t = SortingTask(min_len=4, max_len=12)
+    train = [s for seed in range(50) for s in t.make_batch(seed, 64)]  # 3200 problems
+    val = t.validation_batch(10**9 + 7, 256)
+    assert not any(t.is_held_out(s) for s in train) and all(t.is_held_out(s) for s in val)
+    assert not {s.answer for s in train} & {s.answer for s in val}  # not even a shared answer
+    assert sorted(len(s.prompt) - 1 for s in val) == sorted(4 + (i * 9) // 256 for i in range(256))  # stratified as before
+    assert 0.08 < sum(t.is_held_out(t.sample_problem(random.Random(i))) for i in range(4000)) / 4000 < 0.17  # ~1/8 held out
+    with pytest.raises(ValueError, match="no validation problem of length 1"):
+        SortingTask(min_len=1, max_len=1, holdout_every=1000).validation_batch(0, 4)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("config", ["grpo_spec.yaml", "grpo_base.yaml"])
+def test_default_run_never_trains_on_a_validation_problem(config, seed):
+    """Every training prompt of the default run (all steps) against the validation and self-check prompts."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from rl_specdec.algorithms.grpo import VAL_SEED, step_prompts
+    from rl_specdec.config import load_config
+    from rl_specdec.environments import make_task
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / config, [f"seed={seed}"], resolve_models=False)
+    assert not cfg.env.kwargs.get("dataset_size"), "the default run trains on fresh problems, not a fixed pool"
+    run = SimpleNamespace(cfg=cfg, task=make_task(cfg.env.name, **cfg.env.kwargs))
+    held_out = run.task.validation_batch(VAL_SEED, cfg.grpo.val_num_prompts) + run.task.validation_batch(VAL_SEED + 1, cfg.grpo.self_check_prompts)
+    train = [s for step in range(cfg.grpo.max_steps) for s in step_prompts(run, step)]
+    assert len(train) == cfg.grpo.max_steps * cfg.grpo.num_prompts_per_step
+    assert cfg.grpo.val_num_prompts >= 256
+    assert not {s.prompt for s in train} & {s.prompt for s in held_out}
+    assert not {s.answer for s in train} & {s.answer for s in held_out}
 
 
 def test_time_until_done_and_tail_metrics():

@@ -289,13 +289,14 @@ def save_checkpoint(run: GRPORun, step: int, row: dict[str, Any]) -> None:
     run.checkpoints.save(step, save, state)
 
 
-def baseline(run: GRPORun) -> None:
+def baseline(run: GRPORun) -> dict[str, Any]:
     """The step-0 row: the start-up guard and the untrained policy's validation."""
     row = self_check(run)
     if run.cfg.grpo.val_every:
         row.update(validate(run))
     if row:
         run.metrics.log(row, step=0)
+    return row
 
 
 def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
@@ -306,8 +307,8 @@ def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
     g, last, step = cfg.grpo, {}, run.start_step
     show = cfg.logger.progress_bar if progress is None else progress
     try:
-        if run.start_step == 0:
-            baseline(run)
+        if run.start_step == 0 and "val/accuracy" in (row0 := baseline(run)) and show:
+            tqdm.write(f"step 0: val/accuracy {row0['val/accuracy']:.3f}  (before training)")
         bar = tqdm(range(run.start_step, g.max_steps), initial=run.start_step, total=g.max_steps, desc="GRPO", disable=not show)
         for step in bar:
             t0 = time.perf_counter()

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-BUILD_VERSION = 3  # bump when the build procedure changes
+BUILD_VERSION = 4  # bump when the build procedure changes (4: the SFT draws from the training split only)
 
 PAD, EOS = "<pad>", "<eos>"
 CHARS = list("0123456789=")
@@ -145,7 +145,7 @@ def _sft_batch(rng: random.Random, cfg: ToyBuildConfig, tokenizer):
     task = SortingTask(cfg.min_len, cfg.max_len)
     seqs, masks = [], []
     for _ in range(cfg.batch_size):
-        s = task.sample_problem(rng)
+        s = task.draw(rng)  # the training split: the SFT never sees a validation problem
         p = tokenizer.encode(s.prompt)
         r = tokenizer.encode(s.answer) + [tokenizer.eos_token_id]
         seqs.append(p + r)
