@@ -16,14 +16,15 @@ grpo
     The default GRPO run (``examples/run_grpo.py``) under each variant: grpo_base
     (no speculation), grpo_spec (its speculative_config) and the variants in
     ``GRPO_VARIANTS`` (other k, the batch-size schedule, ngram, suffix, two
-    engines). Same prompts and step count; every variant runs once per seed in
+    engines, two policy workers). Same prompts and step count; every variant runs once per seed in
     ``--seeds`` and the tables give the mean and each seed (step time on 2 CPU
     cores swings ~10% between seeds). Step time, its per-phase split, and the
     ratio to grpo_base. From the same runs: the long tail (per step, the
     time until 50/90/100% of rollouts were done).
 staleness
-    One long grpo_spec run (the drafter is never refit): acceptance rate and
-    length at every step while the policy drifts (KL to the start).
+    Long grpo_spec runs on the first seed: the drafter frozen against trained
+    online (acceptance length per 20-step bucket while the policy drifts), and
+    online training from an untrained drafter (``benchmarks/drafter_life.py``).
 peer
     TRL's GRPOTrainer on the same task, model, batch and step count
     (``benchmarks/peer_trl.py``), against rl_specdec's step time and rollout tokens/s.
@@ -48,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 
+import drafter_life  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
 import peer_trl  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
 import rollout
 from rollout import fmt, log
@@ -55,6 +57,7 @@ from rollout import fmt, log
 REPO = Path(__file__).resolve().parent.parent
 
 SPEC = "policy.generation.vllm_kwargs.speculative_config"
+CONTROL = "policy.generation.speculation_control"
 SECTIONS = ("rollout", "grpo", "staleness", "peer")
 
 # name -> (config, overrides). Every variant of the default run differs from
@@ -73,6 +76,9 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         "configs/grpo_spec.yaml",
         [f"{SPEC}.num_speculative_tokens=3", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,3],[17,1024,0]]"],
     ),
+    # run-time k (issue 14): k=0 through the fast path, and the adaptive controller (k in 0..4 per batch-size bucket)
+    "draft k=0 fast path": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens=3", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,1024,0]]"]),
+    "draft adaptive": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=adaptive", f"{CONTROL}.k_max=4"]),
     "ngram k=3": ("configs/grpo_spec.yaml", [f"{SPEC}.method=ngram", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null", f"{SPEC}.prompt_lookup_max=3", f"{SPEC}.prompt_lookup_min=1"]),
     "suffix k=3": ("configs/grpo_spec.yaml", [f"{SPEC}.method=suffix", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null"]),
     "schedule 2x1": (
@@ -86,8 +92,16 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     ),
     "grpo_base 2x1": ("configs/grpo_base.yaml", ["policy.generation.num_engines=2", "policy.generation.cpus_per_engine=1"]),
     "grpo_spec 2x1": ("configs/grpo_spec.yaml", ["policy.generation.num_engines=2", "policy.generation.cpus_per_engine=1"]),
+    # the trainer as 2 data-parallel workers (DDP over gloo), same update as one: compare with grpo_spec
+    "grpo_spec policy 2x": ("configs/grpo_spec.yaml", ["policy.num_workers=2"]),
+    # the drafter distilled towards the policy after every step and refit (issue 13): its cost
+    "grpo_spec drafter online": ("configs/grpo_spec.yaml", [drafter_life.ONLINE]),
+    "grpo_spec drafter light": ("configs/grpo_spec.yaml", drafter_life.LIGHT),
 }
 QUICK_VARIANTS = ["grpo_base", "grpo_spec"]
+TRAINER_VARIANTS = {"grpo_spec policy 2x"}  # change the trainer, not the rollouts: kept out of the speculation verdicts
+# the drafter trains beside the policy on the same cores: their train phase differs by design, not by chance
+DRAFTER_VARIANTS = {"grpo_spec drafter online", "grpo_spec drafter light"}
 # what every benchmark run changes: its own log folder, no wandb, no checkpoints, no bar
 COMMON = ["logger.wandb.enabled=false", "checkpoint.enabled=false", "logger.progress_bar=false"]
 # --quick: skip what only costs start-up time (the sampling self-check, validation, torch.compile)
@@ -171,6 +185,7 @@ def step_stats(rows: list[dict]) -> dict:
     }
     for p in PHASES:
         out[f"{p}_s"] = mean(f"timing/{p}")
+    out["drafter_train_s"] = _mean_or_none(rs, "timing/drafter_train")
     for pct in (50, 90, 100):
         out[f"done{pct}_s"] = _mean_or_none(rs, f"generation/time_to_{pct}pct_done")
     return out
@@ -201,11 +216,13 @@ def pool_train_time(stats: dict[str, dict]) -> None:
     cannot (a control variate).
     """
     for two in (False, True):
-        group = [n for n in stats if ("2x1" in n) == two]
+        group = [n for n in stats if ("2x1" in n) == two and n not in TRAINER_VARIANTS | DRAFTER_VARIANTS]
         if group:
             pooled = statistics.fmean(stats[n]["train_s"] for n in group)
             for n in group:
                 stats[n]["step_pooled_s"] = stats[n]["step_mean_s"] - stats[n]["train_s"] + pooled
+    for n in (TRAINER_VARIANTS | DRAFTER_VARIANTS) & set(stats):  # their train phase is what they change: pooled only with itself
+        stats[n]["step_pooled_s"] = stats[n]["step_mean_s"]
 
 
 def _mean_or_none(rows: list[dict], key: str):
@@ -287,7 +304,7 @@ def verdict_text(stats: dict[str, dict]) -> str:
     def ratio(n: str, k: str = "step_s") -> str:
         return f"{stats[n][k] / base_of(n)[k]:.2f}x {'grpo_base 2x1' if base_of(n) is not stats['grpo_base'] else 'grpo_base'}"
 
-    spec = {n: s for n, s in stats.items() if s.get("speculation", "none") != "none"}
+    spec = {n: s for n, s in stats.items() if s.get("speculation", "none") != "none" and n not in TRAINER_VARIANTS}
     out = []
     for label, group in (("one engine", {n: s for n, s in spec.items() if "2x1" not in n}), ("two engines", {n: s for n, s in spec.items() if "2x1" in n})):
         if group:
@@ -311,6 +328,14 @@ def verdict_text(stats: dict[str, dict]) -> str:
             f"({'the schedule wins' if all(won) else 'fixed k wins' if not any(won) else 'no clear winner'})."
         )
     return " ".join(out)
+
+
+def policy_workers_text(stats: dict[str, dict]) -> str:
+    two, one = stats["grpo_spec policy 2x"], stats["grpo_spec"]
+    return (
+        f"Two policy workers (DDP over gloo, the same update as one) against one, grpo_spec: {two['step_s']:.2f} vs {one['step_s']:.2f} s/step, "
+        f"train phase {two['train_s']:.2f} vs {one['train_s']:.2f} s, refit {two['refit_s']:.2f} vs {one['refit_s']:.2f} s."
+    )
 
 
 # ---- plots --------------------------------------------------------------------------
@@ -441,7 +466,8 @@ def main(argv=None) -> int:
     p.add_argument("--report-only", action="store_true", help="rebuild the tables and plots from the runs already in --out (runs nothing)")
     p.add_argument("--resume", action="store_true", help="reuse the runs in --out that finished with the same settings (an interrupted benchmark picks up where it stopped)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds; every GRPO variant runs once per seed and the tables give the mean and each seed (full results: 0,1)")
-    p.add_argument("--staleness-steps", type=int, default=200, help="length of the staleness run (--quick: reuses grpo_spec)")
+    p.add_argument("--staleness-steps", type=int, default=200, help="length of the frozen and online drafter runs (--quick: --steps)")
+    p.add_argument("--cold-steps", type=int, default=50, help="length of the cold-start drafter run (--quick: --steps)")
     p.add_argument("--peer-steps", type=int, default=None, help="TRL steps (default: --steps; --quick 4)")
     rollout_parser = argparse.ArgumentParser(add_help=False)
     rollout.add_args(rollout_parser)
@@ -458,7 +484,7 @@ def main(argv=None) -> int:
         if n not in GRPO_VARIANTS:
             p.error(f"--variants: unknown variant {n!r}; choose from {'; '.join(GRPO_VARIANTS)}")
     if ("peer" in sections or "staleness" in sections) and "grpo" not in sections:
-        names = [n for n in names if n in ("grpo_base", "grpo_spec")]  # the rows the peer table compares against
+        names = [n for n in names if n in ("grpo_base", "grpo_spec", "grpo_spec drafter online", "grpo_spec drafter light")]  # the rows peer and cost compare against
         sections = ["grpo", *sections]
     steps = args.steps or (5 if args.quick else 60)
     try:
@@ -531,18 +557,28 @@ def main(argv=None) -> int:
             verdict = verdict_text(stats)
             results["grpo"]["verdict"] = verdict
             emit("Verdict", verdict)
+        if {"grpo_spec", "grpo_spec policy 2x"} <= set(stats):
+            emit("Policy workers", policy_workers_text(stats))
 
     if "staleness" in sections:
-        if args.quick:
-            srows = runs["grpo_spec"][seeds[0]]
-        elif args.report_only:
-            srows = load_rows(run_dir(out, "grpo_spec long", seeds[0]))
-        else:
-            log(f"[staleness] grpo_spec for {args.staleness_steps} steps")
-            srows = run_grpo("grpo_spec long", *GRPO_VARIANTS["grpo_spec"], args.staleness_steps, out, False, seeds[0], args.resume)
-        results["staleness"] = srows
-        plot_staleness(srows, out / "staleness.png")
-        emit(f"Drafter staleness ({len(srows)} steps, drafter frozen)", staleness_table(srows), "staleness.png")
+        series = {}
+        for name, (config, overrides) in drafter_life.RUNS.items():
+            n_steps = args.cold_steps if name == "cold start" else args.staleness_steps
+            if args.quick:
+                n_steps = steps
+            if args.report_only:
+                series[name] = load_rows(run_dir(out, f"drafter {name}", seeds[0]))
+            else:
+                log(f"[staleness] drafter {name}: {n_steps} steps")
+                series[name] = run_grpo(f"drafter {name}", config, overrides, n_steps, out, args.quick, seeds[0], args.resume)
+        results["staleness"] = series
+        drafter_life.plot(series, out / "drafter_life.png", _plt())
+        plot_staleness(series["frozen"], out / "staleness.png")
+        body = drafter_life.staleness_table(series) + "\n\n" + drafter_life.staleness_verdict(series)
+        emit(f"Drafter staleness: frozen and trained online ({len(series['frozen'])} steps, seed {seeds[0]})", body, "drafter_life.png")
+        emit(f"Drafter cold start ({len(series['cold start'])} steps, untrained drafter, online training)", drafter_life.cold_table(series["cold start"]))
+        if "grpo" in results:
+            emit("The cost of online drafter training", drafter_life.cost_text(results["grpo"]["stats"]))
 
     if "peer" in sections:
         peer_steps = args.peer_steps or (4 if args.quick else steps)

@@ -1,27 +1,28 @@
-"""Throughput and latency of the OpenAI-compatible server under concurrent clients.
+"""Requests/s and latency of the OpenAI server under 1, 16 and 64 concurrent chat clients: the
+hand-written server that issue 18 replaced ("legacy") against vLLM's own app ("vllm"), side by side.
 
-One async engine with its HTTP server is started on the toy policy for each
-speculation setting (none and draft_model k=3 by default), all at once. For
-each concurrency level C, C closed-loop clients send chat requests back to
-back (each waits for its answer before sending the next) until
-``C * --rounds`` requests (at least ``--min-requests``) have been answered.
-Requests are sorting-task prompts at temperature 1 with at most
-``--max-tokens`` new tokens; every request is seeded.
+Both servers are mounted on the **same** engine (one async engine actor, the toy
+policy, ``--spec`` speculation), on the same event loop, so the engine settings
+are the same by construction and a load that drifts during the run hits both.
+The legacy server is not part of the package any more: it is read from git
+history (``--legacy-rev``) and run through a small adapter that gives it the
+backend methods it used (``generate_tokens``, ``tokenizer``, ``model_name``,
+``max_model_len``, ``vocab_size``).
 
-Only one engine works at a time, and the engines take turns cell by cell (in
-alternating order), so a load that drifts during the run hits both settings.
-Repetition 0 is untimed: vLLM's CPU backend pays a one-off cost for every new
-batch shape, which would otherwise land on whichever cell runs first. Each
-cell is then timed ``--repeats`` times.
+For each concurrency level C, C closed-loop clients (httpx) send chat requests
+back to back until ``max(--min-requests, C * --rounds)`` are answered: sorting
+prompts, temperature 1, seeded, at most ``--max-tokens`` new tokens. Both
+servers return the token ids and log-probs (the new one through its RL
+defaults). Cells run in A B B A order (alternating which comes first), after
+one untimed pass over every cell (vLLM's CPU backend pays a one-off cost per
+new batch shape). Also reported: the CPU time the actor process (HTTP server
+and AsyncLLM's output handling) and the engine-core process spend per
+request, which is far less sensitive to other load than wall-clock figures.
 
-Reported per cell: requests/s (median over repeats), latency p50 and max
-(seconds, client side, HTTP included, pooled over repeats), generated
-tokens/s (median), the spec-decode acceptance length, and each repeat's
-requests/s (to show the spread). Nothing else should run on the machine
-meanwhile; the JSON lines printed during the run include the load average.
+Nothing else should run on the machine meanwhile.
 
     python benchmarks/server_concurrency.py
-    python benchmarks/server_concurrency.py --methods none draft_model ngram --concurrency 1 8 32 --out results/server
+    python benchmarks/server_concurrency.py --repeats 3 --out results/server_ab
 """
 
 from __future__ import annotations
@@ -31,161 +32,201 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+from rl_specdec.generation.async_worker import AsyncVllmWorker
+from rl_specdec.generation.group import AsyncVllmGeneration
 
-def spec_for(method: str, drafter: str):
-    if method == "none":
-        return None
-    if method == "draft_model":
-        return {"method": "draft_model", "model": drafter, "num_speculative_tokens": 3}
-    if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    raise ValueError(method)
+REPO = Path(__file__).resolve().parents[1]
+LEGACY_REV = "f0082a6"  # the last commit with the hand-written server (rl_specdec/generation/server.py)
+SERVERS = ("legacy", "vllm")
 
 
-async def run_level(url: str, prompts: list[str], concurrency: int, n_requests: int, max_tokens: int, seed: int, timeout: float):
+class LegacyBackend:
+    """What the legacy server asked of its engine, over the worker's public ``_run``."""
+
+    def __init__(self, worker: AsyncVllmWorker, model_name: str):
+        from transformers import AutoTokenizer
+
+        mc = worker.engine.model_config
+        self.worker, self.model_name, self.model_path = worker, model_name, mc.model
+        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
+        self.max_model_len, self.vocab_size = int(mc.max_model_len), int(mc.get_vocab_size())
+
+    async def generate_tokens(self, prompt_token_ids: list[int], params: dict) -> list[dict]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return await self.worker._run(prompt_token_ids, SamplingParams(**params, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY))
+
+
+class ABWorker(AsyncVllmWorker):
+    """The async worker with the legacy server mounted beside vLLM's app, on the same engine and loop."""
+
+    async def start_engine(self, model, vllm_kwargs, seed, cpu_bind, server=None, legacy_source: str = ""):
+        import types
+
+        info = await super().start_engine(model, vllm_kwargs, seed, cpu_bind, server)
+        mod = types.ModuleType("rl_specdec_legacy_server")
+        sys.modules[mod.__name__] = mod  # pydantic and dataclasses resolve annotations through it
+        exec(compile(legacy_source, f"{LEGACY_REV}:rl_specdec/generation/server.py", "exec"), mod.__dict__)
+        cfg = mod.ServerConfig(chat_template=server.get("chat_template"), served_model_name=server["served_model_name"])
+        self.legacy = await mod.start_server(LegacyBackend(self, server["served_model_name"]), cfg)
+        info["base_url"] = {"legacy": self.legacy.base_url, "vllm": self.server.base_url}
+        return info
+
+    async def shutdown(self) -> None:
+        if getattr(self, "legacy", None) is not None:
+            await self.legacy.stop()
+            self.legacy = None
+        await super().shutdown()
+
+
+class ABGeneration(AsyncVllmGeneration):
+    worker_cls = ABWorker
+
+    def __init__(self, model, config, cluster, server: dict, legacy_source: str):
+        from rl_specdec.generation.server import ServerConfig
+
+        ServerConfig.from_dict(server)
+        self._start(model, config, cluster, 0, {"server": server, "legacy_source": legacy_source})
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_level(url: str, prompts: list[str], concurrency: int, n: int, max_tokens: int, seed: int, timeout: float) -> dict:
     import httpx
 
     latencies: list[float] = []
-    tokens = 0
     next_i = 0
 
-    async def client_loop(client, cid: int):
-        nonlocal next_i, tokens
-        while next_i < n_requests:
-            i = next_i
-            next_i += 1
-            body = {
-                "model": "toy",
-                "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
-                "max_tokens": max_tokens,
-                "temperature": 1.0,
-                "seed": seed + i,
-            }
+    async def client_loop(client):
+        nonlocal next_i
+        while next_i < n:
+            i, next_i = next_i, next_i + 1
+            body = {"model": "toy", "messages": [{"role": "user", "content": prompts[i % len(prompts)]}], "max_tokens": max_tokens, "temperature": 1.0, "seed": seed + i}
             t = time.perf_counter()
             r = await client.post(url + "/chat/completions", json=body)
             latencies.append(time.perf_counter() - t)
             r.raise_for_status()
-            tokens += len(r.json()["choices"][0]["message"]["generation_token_ids"])
+            m = r.json()["choices"][0]["message"]
+            assert m["generation_token_ids"] and len(m["generation_log_probs"]) == len(m["generation_token_ids"])
 
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
         t0 = time.perf_counter()
-        await asyncio.wait_for(asyncio.gather(*(client_loop(client, c) for c in range(concurrency))), timeout=10 * timeout)
+        await asyncio.wait_for(asyncio.gather(*(client_loop(client) for _ in range(concurrency))), timeout=10 * timeout)
         wall = time.perf_counter() - t0
-    return {
-        "concurrency": concurrency,
-        "requests": len(latencies),
-        "wall_s": wall,
-        "requests_per_s": len(latencies) / wall,
-        "latency_p50_s": statistics.median(latencies),
-        "latency_max_s": max(latencies),
-        "tokens_per_s": tokens / wall,
-        "tokens": tokens,
-        "latencies": latencies,
-    }
+    return {"concurrency": concurrency, "requests": n, "wall_s": wall, "requests_per_s": n / wall, "latencies": latencies}
+
+
+def measure(g: ABGeneration, prompts: list[str], args) -> dict[tuple[str, int], list[dict]]:
+    """Every (server, level) cell, A B B A per level and repeat; repetition 0 is an untimed warm-up."""
+    info = g.engine_info[0]
+    urls, actor, engine = info["base_url"], info["actor_pid"], info["engine_pid"]
+    cells: dict[tuple[str, int], list[dict]] = {}
+    for rep in range(args.repeats + 1):
+        for c in args.concurrency:
+            n = max(args.min_requests, c * args.rounds)
+            first, second = SERVERS if rep % 2 else SERVERS[::-1]
+            for server in (first, second, second, first):
+                a0, e0 = cpu_s(actor), cpu_s(engine)
+                row = asyncio.run(run_level(urls[server], prompts, c, n, args.max_tokens, args.seed + 1000 * c + rep, args.timeout))
+                row.update(server=server, rep=rep, load1=os.getloadavg()[0])
+                row.update(actor_cpu_ms=1000 * (cpu_s(actor) - a0) / n, engine_cpu_ms=1000 * (cpu_s(engine) - e0) / n)
+                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items() if k != "latencies"}), flush=True)
+                if rep > 0:
+                    cells.setdefault((server, c), []).append(row)
+    return cells
+
+
+def summarise(cells: dict[tuple[str, int], list[dict]], levels: list[int]) -> tuple[list[dict], str]:
+    rows = []
+    for c in levels:
+        for server in SERVERS:
+            reps = cells[(server, c)]
+            lat = sorted(x for r in reps for x in r["latencies"])
+            rows.append(
+                {
+                    "server": server,
+                    "concurrency": c,
+                    "requests": len(lat),
+                    "requests_per_s": statistics.median(r["requests_per_s"] for r in reps),
+                    "latency_p50_s": lat[len(lat) // 2],
+                    "latency_p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+                    "actor_cpu_ms": statistics.median(r["actor_cpu_ms"] for r in reps),
+                    "engine_cpu_ms": statistics.median(r["engine_cpu_ms"] for r in reps),
+                    "runs": [round(r["requests_per_s"], 2) for r in reps],
+                }
+            )
+    legacy = {r["concurrency"]: r["requests_per_s"] for r in rows if r["server"] == "legacy"}
+    lines = [
+        "| server | concurrent | requests | req/s (median) | vs legacy | p50 (s) | p99 (s) | actor CPU ms/req | engine CPU ms/req | req/s per run |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['server']} | {r['concurrency']} | {r['requests']} | {r['requests_per_s']:.2f} | {r['requests_per_s'] / legacy[r['concurrency']]:.2f}x | "
+            f"{r['latency_p50_s']:.3f} | {r['latency_p99_s']:.3f} | {r['actor_cpu_ms']:.1f} | {r['engine_cpu_ms']:.1f} | {', '.join(map(str, r['runs']))} |"
+        )
+    return rows, "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=["none", "draft_model"], choices=["none", "draft_model", "ngram"])
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--spec", choices=["draft_model", "ngram", "none"], default="draft_model")
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
-    ap.add_argument("--repeats", type=int, default=3, help="timed repetitions of every cell (after one untimed)")
     ap.add_argument("--min-requests", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3, help="timed A B B A blocks per level (after one untimed)")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--timeout", type=float, default=120.0, help="per-request client timeout (s)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="per-request client timeout (s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--legacy-rev", default=LEGACY_REV, help="the git revision to read the legacy server from")
     ap.add_argument("--out", default=None, help="folder for results.json and table.md")
     args = ap.parse_args(argv)
 
-    import ray
-
     from rl_specdec.environments.sorting import SortingTask
-    from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
-    from rl_specdec.generation.group import AsyncVllmGeneration
-    from rl_specdec.spec_decode import aggregate_spec_decode_counters, compute_spec_decode_metrics
+    from rl_specdec.generation import ClusterConfig, GenerationConfig, validate_vllm_kwargs
     from rl_specdec.toy.build import build_toy_models
     from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE, toy_engine_kwargs, usable_cores
 
+    legacy_source = subprocess.check_output(["git", "-C", str(REPO), "show", f"{args.legacy_rev}:rl_specdec/generation/server.py"], text=True)
     toy = build_toy_models()
+    spec = {
+        "draft_model": {"method": "draft_model", "model": str(toy.drafter), "num_speculative_tokens": 3},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+        "none": None,
+    }[args.spec]
     prompts = [s.prompt[:-1] for s in SortingTask().make_batch(seed=args.seed + 17, n=64)]  # the template adds "="
-    cores = usable_cores()
-    load0 = os.getloadavg()
-    # every engine gets all cores; only one engine works at a time
-    ray.init(address="local", num_cpus=cores * len(args.methods), include_dashboard=False, log_to_driver=False)
-    engines, cells = {}, {}
+    cores, load0 = usable_cores(), os.getloadavg()
+    print(f"load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} ({cores} cores)", flush=True)
+    kw = validate_vllm_kwargs(toy_engine_kwargs(speculative_config=spec), str(toy.policy))
+    server = {"chat_template": TOY_CHAT_TEMPLATE, "served_model_name": "toy"}
+    g = ABGeneration(str(toy.policy), GenerationConfig(num_engines=1, cpus_per_engine=cores, vllm_kwargs=kw), ClusterConfig(num_cpus=cores), server, legacy_source)
     try:
-        for method in args.methods:
-            kw = validate_vllm_kwargs(toy_engine_kwargs(speculative_config=spec_for(method, str(toy.drafter))), str(toy.policy))
-            engines[method] = AsyncVllmGeneration(
-                str(toy.policy),
-                GenerationConfig(num_engines=1, cpus_per_engine=cores, vllm_kwargs=kw),
-                seed=args.seed,
-                server={"chat_template": TOY_CHAT_TEMPLATE, "served_model_name": "toy"},
-            )
-        urls = {m: g.base_urls()[0] for m, g in engines.items()}
-        for rep in range(args.repeats + 1):  # repetition 0 warms up every (engine, level): the CPU backend
-            for c in args.concurrency:  # pays a one-off cost for each new batch shape
-                n = max(args.min_requests, c * args.rounds)
-                order = args.methods if rep % 2 == 0 else args.methods[::-1]  # alternate, so drifting load hits both
-                for method in order:
-                    g = engines[method]
-                    before = aggregate_spec_decode_counters(g.engine_counters())  # only this level's traffic
-                    row = asyncio.run(run_level(urls[method], prompts, c, n, args.max_tokens, args.seed + 1000 * c + rep, args.timeout))
-                    sm = compute_spec_decode_metrics(before, aggregate_spec_decode_counters(g.engine_counters()))
-                    row.update(method=method, rep=rep, load1=os.getloadavg()[0], acceptance_length=sm.get("spec_decode/acceptance_length"))
-                    print(json.dumps({k: v for k, v in row.items() if k != "latencies"}), flush=True)
-                    if rep > 0:
-                        cells.setdefault((method, c), []).append(row)
+        cells = measure(g, prompts, args)
     finally:
-        for g in engines.values():
-            g.shutdown()
-        ray.shutdown()
-    load1 = os.getloadavg()
+        import ray
 
-    rows = []
-    for (method, c), reps in sorted(cells.items(), key=lambda kv: (args.methods.index(kv[0][0]), kv[0][1])):
-        lat = [x for r in reps for x in r["latencies"]]
-        acc = [r["acceptance_length"] for r in reps if r["acceptance_length"]]
-        rows.append(
-            {
-                "method": method,
-                "concurrency": c,
-                "requests": sum(r["requests"] for r in reps),
-                "requests_per_s": statistics.median(r["requests_per_s"] for r in reps),
-                "latency_p50_s": statistics.median(lat),
-                "latency_max_s": max(lat),
-                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps),
-                "acceptance_length": statistics.mean(acc) if acc else None,
-                "repeats": [round(r["requests_per_s"], 2) for r in reps],
-            }
-        )
-    base = {r["concurrency"]: r["requests_per_s"] for r in rows if r["method"] == "none"}
-    lines = [
-        "| speculation | concurrent requests | requests | requests/s (median) | latency p50 (s) | latency max (s) | tokens/s | acceptance length | req/s vs none | req/s per repeat |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for r in rows:
-        al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
-        sp = f"{r['requests_per_s'] / base[r['concurrency']]:.2f}x" if r["concurrency"] in base else "-"
-        lines.append(
-            f"| {r['method']} | {r['concurrency']} | {r['requests']} | {r['requests_per_s']:.2f} | {r['latency_p50_s']:.2f} | "
-            f"{r['latency_max_s']:.2f} | {r['tokens_per_s']:.0f} | {al} | {sp} | {', '.join(map(str, r['repeats']))} |"
-        )
-    table = "\n".join(lines)
+        g.shutdown()
+        ray.shutdown()
+    rows, table = summarise(cells, args.concurrency)
     note = (
-        f"max_tokens={args.max_tokens}, temperature 1, {cores} cores, {args.repeats} timed repeats per cell "
-        f"(engines alternate); load average before {load0[0]:.1f}, after {load1[0]:.1f}"
+        f"speculation {args.spec}, max_tokens={args.max_tokens}, temperature 1, {cores} cores, {args.repeats} timed A B B A blocks "
+        f"per level, both servers on one engine; legacy = {args.legacy_rev}; load average before {load0[0]:.1f}, after {os.getloadavg()[0]:.1f}"
     )
-    print(table)
-    print(note)
+    print(table + "\n" + note)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"rows": rows, "args": vars(args), "load_before": load0, "load_after": load1}, indent=2))
+        (out / "results.json").write_text(json.dumps({"rows": rows, "args": vars(args), "note": note}, indent=2))
         (out / "table.md").write_text(table + "\n\n" + note + "\n")
     return 0
 

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     from rl_specdec.environments.sorting import SortingTask
     from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
     from rl_specdec.generation.group import AsyncVllmGeneration
-    from rl_specdec.policy import RayPolicy
+    from rl_specdec.config import PolicyConfig
+    from rl_specdec.policy import PolicyGroup
     from rl_specdec.spec_decode import aggregate_spec_decode_counters, compute_spec_decode_metrics
     from rl_specdec.toy.build import build_tokenizer, build_toy_models
     from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE, toy_engine_kwargs, usable_cores
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec is not None:  # refuse to train on a sampler that is not lossless
             report = gen.check_sampling([tok.encode("31")] * 64, max_tokens=12, seed=args.seed)
             print(f"sampling self-check passed: {report.summary()}", flush=True)
-        policy = RayPolicy(str(toy.policy), num_gpus=0, dtype="float32", learning_rate=args.lr, micro_batch_size=64, seed=args.seed, num_threads=cores)
+        policy = PolicyGroup(PolicyConfig(model_name=str(toy.policy), device="cpu", dtype="float32", learning_rate=args.lr, num_threads=cores), seed=args.seed)
         loss_fn = ClippedPGLoss(clip_eps=0.2)
         task = SortingTask()
         for step in range(args.steps):

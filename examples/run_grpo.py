@@ -11,7 +11,6 @@ The console shows a progress bar, validation lines and errors; ``--verbose``
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 
@@ -41,12 +40,22 @@ def main(argv: list[str] | None = None) -> int:
     configure_console(cfg.logger.level)
 
     from rl_specdec.algorithms.grpo import train
-    from rl_specdec.errors import GenerationEngineDied, SamplingSelfCheckFailed
+    from rl_specdec.errors import (
+        CheckpointDamaged,
+        GenerationEngineDied,
+        PolicyWorkerDied,
+        SamplingSelfCheckFailed,
+        SpecDecodeCanaryTripped,
+        WeightIntegrityError,
+    )
 
     t0 = time.time()
     try:
         last = train(cfg)
-    except (GenerationEngineDied, SamplingSelfCheckFailed) as e:
+    except ConfigError as e:  # e.g. more GPUs than the Ray cluster has, found before any actor started
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except (GenerationEngineDied, SamplingSelfCheckFailed, PolicyWorkerDied, CheckpointDamaged, WeightIntegrityError, SpecDecodeCanaryTripped) as e:
         print(f"error: {e}", file=sys.stderr)  # the loop already logged the step and the last checkpoint
         return 1
     if not last:  # resume=true found the run already at grpo.max_steps

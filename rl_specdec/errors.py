@@ -16,6 +16,14 @@ class GenerationEngineDied(RuntimeError):
     """A vLLM engine actor died; the run cannot continue with this group."""
 
 
+class PolicyWorkerDied(RuntimeError):
+    """A policy worker process died; the group cannot continue (the message names its rank and node)."""
+
+
+class CheckpointDamaged(RuntimeError):
+    """No complete checkpoint in the folder is intact (the message names each damaged file)."""
+
+
 class SamplingSelfCheckFailed(RuntimeError):
     """The engines do not sample from the policy's distribution (speculation is not lossless here)."""
 
@@ -37,8 +45,10 @@ class PrefixSpliceError(ValueError):
 
 
 __all__ = [
+    "CheckpointDamaged",
     "ConfigError",
     "GenerationEngineDied",
+    "PolicyWorkerDied",
     "PrefixSpliceError",
     "SamplingSelfCheckFailed",
     "SleepNotSupported",

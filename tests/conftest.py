@@ -114,11 +114,24 @@ def ensure_local_ray(num_cpus: int = RAY_TEST_CPUS) -> None:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    """A local Ray instance for one test module; shut down at the module's end."""
+@pytest.fixture(scope="module", autouse=True)
+def ray_per_module():
+    """Every test module ends with Ray shut down, so the next one never inherits
+    a Ray sized (or filled) by another: a GRPO run starts Ray with the host's
+    cores, and an engine fixture after it would find no CPU left to reserve."""
+    yield
     import ray
 
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray instance of RAY_TEST_CPUS logical CPUs for one test module."""
+    import ray
+
+    if ray.is_initialized() and ray.cluster_resources().get("CPU", 0) != RAY_TEST_CPUS:
+        ray.shutdown()
     ensure_local_ray()
     yield
     ray.shutdown()

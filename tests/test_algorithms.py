@@ -2,14 +2,17 @@
 
 import json
 import math
+import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from rl_specdec.algorithms import ClippedPGLoss, group_advantages
-from rl_specdec.algorithms.checkpoint import CheckpointManager
 from rl_specdec.algorithms.batch import Trajectory, build_train_batch
+from rl_specdec.algorithms.checkpoint import CheckpointManager
 from rl_specdec.algorithms.grpo import decode_response
+from rl_specdec.errors import CheckpointDamaged
 from rl_specdec.environments import SortingTask
 from rl_specdec.generation import GenerationOutput
 
@@ -140,6 +143,39 @@ def test_checkpoint_crash_mid_save_keeps_last_good(tmp_path):
     assert not list(tmp_path.glob(".tmp-*"))  # the crashed save's leftovers are gone
 
 
+def _save_fake_policy(path):
+    """A checkpoint's layout: policy/model/*.safetensors and policy/optimizer.pt."""
+    from safetensors.torch import save_file
+
+    model = Path(path) / "policy" / "model"
+    model.mkdir(parents=True)
+    save_file({"w": torch.arange(1000.0)}, str(model / "model.safetensors"))
+    torch.save({"format": 2}, Path(path) / "policy" / "optimizer.pt")
+
+
+def test_damaged_checkpoint_is_named_and_the_previous_one_used(tmp_path, caplog):
+    cm = CheckpointManager(str(tmp_path), keep=2)
+    cm.save(2, _save_fake_policy, {"step": 2})
+    cm.save(4, _save_fake_policy, {"step": 4})
+    assert json.loads((tmp_path / "step_000004/manifest.json").read_text())["files"]["policy/model/model.safetensors"]["bytes"] > 4000
+    newest = tmp_path / "step_000004/policy/model/model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated, as by a full disk or a killed copy
+
+    fresh = CheckpointManager(str(tmp_path), keep=2)  # a resumed run: nothing verified yet
+    with caplog.at_level("WARNING"):
+        path, state = fresh.latest()
+    assert (path.name, state["step"]) == ("step_000002", 2)
+    assert "step_000004" in caplog.text and "policy/model/model.safetensors has 100 bytes" in caplog.text
+
+    # same size, other bytes: the checksum catches it
+    older = tmp_path / "step_000002/policy/optimizer.pt"
+    data = bytearray(older.read_bytes())
+    data[-1] ^= 0xFF
+    older.write_bytes(bytes(data))
+    with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint .*step_000004: policy/model/model.safetensors has 100 bytes.*step_000002: policy/optimizer.pt does not match its sha256"):
+        CheckpointManager(str(tmp_path)).latest()
+
+
 def test_plot_renders_png(tmp_path):
     from rl_specdec.plot import main
 
@@ -175,8 +211,42 @@ def test_sorting_pool_is_a_fixed_dataset_and_validation_is_held_out():
     a = t.make_batch(7, 8)
     assert a == t.make_batch(7, 8) and {s.prompt for s in a} <= pool and len({s.prompt for s in a}) == 8
     val = t.validation_batch(10**9 + 7, 64)
-    assert len({s.prompt for s in val} & pool) < 4  # held out (random digit strings rarely collide)
+    assert all(t.is_held_out(s) for s in val) and not any(t.is_held_out(s) for s in t.pool())
     assert SortingTask().make_batch(7, 8) != a  # dataset_size=0: fresh problems
+
+
+def test_held_out_split_is_disjoint_and_keeps_the_length_mix():
+    t = SortingTask(min_len=4, max_len=12)
+    train = [s for seed in range(50) for s in t.make_batch(seed, 64)]  # 3200 problems
+    val = t.validation_batch(10**9 + 7, 256)
+    assert not any(t.is_held_out(s) for s in train) and all(t.is_held_out(s) for s in val)
+    assert not {s.answer for s in train} & {s.answer for s in val}  # not even a shared answer
+    assert sorted(len(s.prompt) - 1 for s in val) == sorted(4 + (i * 9) // 256 for i in range(256))  # stratified as before
+    assert 0.08 < sum(t.is_held_out(t.sample_problem(random.Random(i))) for i in range(4000)) / 4000 < 0.17  # ~1/8 held out
+    with pytest.raises(ValueError, match="no validation problem of length 1"):
+        SortingTask(min_len=1, max_len=1, holdout_every=1000).validation_batch(0, 4)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("config", ["grpo_spec.yaml", "grpo_base.yaml"])
+def test_default_run_never_trains_on_a_validation_problem(config, seed):
+    """Every training prompt of the default run (all steps) against the validation and self-check prompts."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from rl_specdec.algorithms.grpo import VAL_SEED, step_prompts
+    from rl_specdec.config import load_config
+    from rl_specdec.environments import make_task
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / config, [f"seed={seed}"], resolve_models=False)
+    assert not cfg.env.kwargs.get("dataset_size"), "the default run trains on fresh problems, not a fixed pool"
+    run = SimpleNamespace(cfg=cfg, task=make_task(cfg.env.name, **cfg.env.kwargs))
+    held_out = run.task.validation_batch(VAL_SEED, cfg.grpo.val_num_prompts) + run.task.validation_batch(VAL_SEED + 1, cfg.grpo.self_check_prompts)
+    train = [s for step in range(cfg.grpo.max_steps) for s in step_prompts(run, step)]
+    assert len(train) == cfg.grpo.max_steps * cfg.grpo.num_prompts_per_step
+    assert cfg.grpo.val_num_prompts >= 256
+    assert not {s.prompt for s in train} & {s.prompt for s in held_out}
+    assert not {s.answer for s in train} & {s.answer for s in held_out}
 
 
 def test_time_until_done_and_tail_metrics():
@@ -194,3 +264,13 @@ def test_time_until_done_and_tail_metrics():
         out.time_until_done(0.0)
     none = GenerationOutput(token_ids=[[1]], logprobs=[[0.0]], finish_reasons=["stop"])
     assert none.time_until_done(0.5) is None and tail_metrics(none) == {} and none.select([0]).finish_time_s == []
+
+
+def test_drafter_subset_is_bounded_seeded_and_complete_when_unbounded():
+    from rl_specdec.algorithms.drafter_upkeep import drafter_subset
+
+    assert drafter_subset(128, 0, step=3) == list(range(128))
+    assert drafter_subset(16, 32, step=3) == list(range(16))
+    a, b, c = drafter_subset(128, 32, step=3), drafter_subset(128, 32, step=3), drafter_subset(128, 32, step=4)
+    assert len(a) == 32 == len(set(a)) and a == sorted(a) and all(0 <= i < 128 for i in a)
+    assert a == b and a != c  # seeded by the step: reproducible, and a different subset each step

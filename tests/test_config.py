@@ -23,6 +23,62 @@ def test_every_shipped_config_validates():
             assert spec["num_speculative_tokens"] >= 1
 
 
+# What each GPU config states in its header comment it needs.
+STATED_HARDWARE = {
+    "qwen3_draft_model.yaml": {"GPU": 8, "CPU": 32},
+    "qwen3_eagle3.yaml": {"GPU": 8, "CPU": 32},
+    "qwen3_ngram.yaml": {"GPU": 8, "CPU": 32},
+    "qwen3_1p7b_one_gpu.yaml": {"GPU": 1, "CPU": 8},
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATED_HARDWARE))
+def test_gpu_configs_fit_the_hardware_they_state(name):
+    from rl_specdec.config import check_cluster_resources
+
+    # as on a GPU cluster (cluster.address: the load-time "no local CUDA" check steps aside)
+    cfg = load_config(ROOT / "configs" / name, ["policy.device=cuda", "cluster.address=auto"], resolve_models=False)
+    have = STATED_HARDWARE[name]
+    check_cluster_resources(cfg, have)
+    fewer = {**have, "GPU": have["GPU"] - 1}
+    with pytest.raises(ConfigError, match=rf"asks for {have['GPU']} GPUs but the Ray cluster has {have['GPU'] - 1}|cluster has no GPU"):
+        check_cluster_resources(cfg, fewer)
+
+
+def test_cluster_check_counts_policy_and_engines():
+    from rl_specdec.config import check_cluster_resources
+
+    cfg = load_config(SPEC, ["policy.device=cuda", "cluster.address=auto", "policy.num_workers=4", "policy.generation.num_engines=3",
+                             "policy.generation.vllm_kwargs.tensor_parallel_size=2"], resolve_models=False)
+    check_cluster_resources(cfg, {"GPU": 10, "CPU": 3})  # 4 x 1 + 3 x 2 GPUs; 3 CPUs, one per GPU engine
+    with pytest.raises(ConfigError) as e:
+        check_cluster_resources(cfg, {"GPU": 8, "CPU": 64})
+    msg = str(e.value)
+    assert "asks for 10 GPUs but the Ray cluster has 8" in msg
+    assert "policy 4 x 1 (policy.num_workers x policy.gpus_per_worker) = 4" in msg
+    assert "engines 3 x 2 (policy.generation.num_engines x tensor_parallel_size) = 6" in msg
+    with pytest.raises(ConfigError, match="policy.device=cuda but the Ray cluster has no GPU"):
+        check_cluster_resources(cfg, {"CPU": 64})
+    # on CPU: engines reserve cpus_per_engine, workers cpus_per_worker; the default run fits 2 cores
+    check_cluster_resources(load_config(SPEC, resolve_models=False), {"CPU": 2})
+    cpu = load_config(SPEC, ["policy.num_workers=2", "policy.cpus_per_worker=1"], resolve_models=False)
+    with pytest.raises(ConfigError, match=r"asks for 4 CPUs but the Ray cluster has 2: policy 2 x 1 .* = 2, engines 1 x 2"):
+        check_cluster_resources(cpu, {"CPU": 2})
+
+
+def test_device_and_dtype_are_resolved_once_at_load():
+    from rl_specdec.config import PolicyConfig, resolve_device_and_dtype
+
+    cfg = load_config(SPEC, resolve_models=False)
+    assert (cfg.policy.device, cfg.policy.dtype) == ("cpu", "float32")  # this machine has no CUDA
+    gpu = PolicyConfig()
+    resolve_device_and_dtype(gpu, cuda_available=True)
+    assert (gpu.device, gpu.dtype) == ("cuda", "bfloat16")
+    fixed = PolicyConfig(device="cuda", dtype="float32")
+    resolve_device_and_dtype(fixed, cuda_available=False)
+    assert (fixed.device, fixed.dtype) == ("cuda", "float32")  # explicit values stay (a CPU head, GPU workers)
+
+
 def test_gpu_configs_point_at_real_pairs():
     eagle = load_config(ROOT / "configs/qwen3_eagle3.yaml", resolve_models=False)
     assert eagle.policy.model_name == "Qwen/Qwen3-8B"
@@ -73,6 +129,29 @@ def test_defaults_inheritance_and_interpolation(tmp_path):
         (["env.name=chess"], "env.name"),
         (["logger.wandb.mode=sometimes"], "logger.wandb.mode"),
         (["grpo.max_steps"], "key=value"),
+        (["policy.num_workers=0"], "policy.num_workers"),
+        (["policy.strategy=zero3"], "policy.strategy"),
+        (["policy.device=tpu"], "policy.device"),
+        (["policy.gpus_per_worker=-1"], "policy.gpus_per_worker"),
+        (["policy.gpus_per_worker=2"], "policy.num_workers for more GPUs"),
+        (["policy.cpus_per_worker=-1"], "policy.cpus_per_worker"),
+        (["policy.refit_bucket_bytes=0"], "policy.refit_bucket_bytes"),
+        (["policy.placement_strategy=RANDOM"], "policy.placement_strategy"),
+        (["policy.device=cuda"], "policy.device=cuda"),  # this machine has no CUDA and no cluster.address is set
+        (["policy.generation.drafter_training.enabled=true", "policy.generation.drafter_training.top_k=21"], "drafter_training.top_k"),
+        (["policy.generation.drafter_training.enabled=true", "policy.generation.drafter_training.every=0"], "drafter_training.every"),
+        (["policy.generation.drafter_training.enabled=true", "policy.generation.drafter_training.max_sequences=-1"], "drafter_training.max_sequences"),
+        (["policy.generation.drafter_training.enabled=true", "policy.generation.vllm_kwargs.speculative_config=null"], "needs speculation"),
+        (["policy.generation.acceptance_canary.action=ignore"], "acceptance_canary.action"),
+        (["policy.generation.acceptance_canary.min_ratio=1.5"], "acceptance_canary.min_ratio"),
+        (["policy.generation.speculation_control.mode=auto"], "speculation_control.mode"),
+        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.vllm_kwargs.speculative_config=null"], "needs speculation"),
+        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.vllm_kwargs.speculative_config.method=ngram", "policy.generation.vllm_kwargs.speculative_config.model=null", "policy.generation.vllm_kwargs.speculative_config.draft_sample_method=null"], "draft_model only"),
+        (["policy.generation.speculation_control.mode=fixed", "policy.generation.vllm_kwargs.async_scheduling=true"], "async_scheduling"),
+        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.k_max=2"], "speculation_control.k_max=2"),
+        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.buckets=[2,4]"], "speculation_control.buckets"),
+        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.explore=0.9"], "speculation_control.explore"),
+        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.explore_steps=0"], "speculation_control.explore_steps"),
     ],
 )
 def test_bad_values_name_the_key(overrides, needle):

@@ -212,3 +212,33 @@ def test_engine_death_stops_run_and_resume_continues_identically(tmp_path, monke
     wa = load_file(str(next((full / "checkpoints/step_000004/policy/model").glob("*.safetensors"))))
     wb = load_file(str(next((part / "checkpoints/step_000004/policy/model").glob("*.safetensors"))))
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+def test_canary_disable_restarts_the_engines_without_speculation(tmp_path, monkeypatch):
+    """acceptance_canary.action=disable: a drafter wiped by a bad refit (random weights, injected after
+    step 4) trips the canary at step 5; the engines restart without a drafter, get the trainer's
+    weights in that step's refit, and step 6 samples from them on-policy, without speculation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rl_specdec.algorithms import grpo
+
+    real_step, seen = grpo.grpo_step, {}
+
+    def wipe_the_drafter_after_step_4(run, step):
+        row = real_step(run, step)
+        if step == 3:
+            sd = AutoModelForCausalLM.from_pretrained(run.cfg.policy.generation.vllm_kwargs["speculative_config"]["model"]).state_dict()
+            g = torch.Generator().manual_seed(0)
+            run.generation.update_weights({k: torch.randn(v.shape, generator=g) * v.float().std() for k, v in sd.items()}, target="drafter")
+        seen[step] = run.generation.config.vllm_kwargs.get("speculative_config")
+        return row
+
+    monkeypatch.setattr(grpo, "grpo_step", wipe_the_drafter_after_step_4)
+    _train(tmp_path, "grpo.max_steps=6", "grpo.val_every=0", "checkpoint.enabled=false", "logger.wandb.enabled=false",
+           "policy.generation.acceptance_canary.action=disable")
+    rows = _rows(tmp_path)
+    assert [r.get("spec_decode/canary") for r in rows] == [0.0, 0.0, 0.0, 0.0, 1.0, None]
+    assert seen[3] is not None and seen[4] is None and seen[5] is None, seen
+    assert "spec_decode/num_drafts" not in rows[5] and rows[5]["generation/num_tokens"] > 0
+    assert rows[5]["train/logprob_mismatch"] < MISMATCH_THRESHOLD, "the restarted engines do not hold the trainer's weights"

@@ -4,6 +4,7 @@ import torch
 
 from rl_specdec.algorithms import ClippedPGLoss
 from rl_specdec.algorithms.batch import Trajectory, build_train_batch
+from rl_specdec.config import PolicyConfig
 from rl_specdec.policy import PolicyWorker, token_logprobs_and_entropy
 from rl_specdec.toy.build import build_toy_models, build_tokenizer
 
@@ -21,11 +22,18 @@ def _batch():
     return build_train_batch(trajs, adv, tok.pad_token_id)
 
 
+def started(path, **kw) -> PolicyWorker:
+    """One worker in this process, as the single-worker group runs it (CPU, float32)."""
+    w = PolicyWorker(PolicyConfig(model_name=str(path), device="cpu", dtype="float32", **kw), seed=0)
+    w.start()
+    return w
+
+
 def test_micro_batching_matches_one_full_batch():
     path = str(build_toy_models().policy)
     batch = _batch()
-    whole = PolicyWorker(path, micro_batch_size=100, seed=0)
-    micro = PolicyWorker(path, micro_batch_size=2, seed=0)
+    whole = started(path, micro_batch_size=100)
+    micro = started(path, micro_batch_size=2)
 
     # log-probs: same values, same (input) order, zeros outside each row's length
     lp_whole, lp_micro = whole.get_logprobs(batch), micro.get_logprobs(batch)
@@ -42,4 +50,73 @@ def test_micro_batching_matches_one_full_batch():
         assert abs(a[k] - b[k]) < 1e-4 * max(1.0, abs(a[k])), k
     sa, sb = whole.state_dict_for_refit(), micro.state_dict_for_refit()
     assert max((sa[k] - sb[k]).abs().max().item() for k in sa) < 1e-5  # vs Adam step size lr = 1e-4
-    assert any((sa[k] - PolicyWorker(path).state_dict_for_refit()[k]).abs().max() > 0 for k in sa)  # it trained
+    assert any((sa[k] - started(path).state_dict_for_refit()[k]).abs().max() > 0 for k in sa)  # it trained
+
+
+def test_shard_batch_balances_pads_and_covers_every_row():
+    from rl_specdec.policy.distributed import shard_batch
+
+    batch = _batch()  # 6 rows of lengths 6..23
+    assert shard_batch(batch, 1)[0][1] is batch  # one worker: the batch as it is
+    shards = shard_batch(batch, 4)  # 6 rows -> 8: two padding rows
+    assert [s["input_ids"].shape[0] for _, s in shards] == [2, 2, 2, 2]
+    idx = torch.cat([i for i, _ in shards])
+    assert sorted(idx[idx >= 0].tolist()) == list(range(6)) and (idx < 0).sum() == 2
+    for i, s in shards:
+        real = i >= 0
+        assert torch.equal(s["input_ids"][real], batch["input_ids"][i[real]])
+        assert torch.equal(s["loss_mask"][real], batch["loss_mask"][i[real]])
+        assert s["loss_mask"][~real].sum() == 0  # padding rows carry no loss
+        assert torch.equal(s["batch_num_tokens"], batch["batch_num_tokens"][: len(i)])  # the GLOBAL token count
+    tokens = [int(s["attention_mask"].sum()) for _, s in shards]
+    assert max(tokens) - min(tokens) <= max(batch["attention_mask"].sum(1)).item()  # dealt by length: balanced
+
+
+def test_padding_rows_add_nothing_to_the_loss():
+    from rl_specdec.policy.distributed import shard_batch
+
+    batch, loss_fn = _batch(), ClippedPGLoss(0.2)
+    g = torch.Generator().manual_seed(0)
+    lp = -torch.rand(batch["loss_mask"].shape, generator=g)  # [N, T-1]: any log-probs
+    full = loss_fn(lp, batch, None)[0]
+    shards = shard_batch(batch, 4)  # two padding rows, copies of a real row
+    parts = sum(loss_fn(lp[i.clamp(min=0)], s, None)[0] for i, s in shards)
+    assert torch.allclose(full, parts, atol=1e-6)
+
+
+def test_buckets_are_bounded_and_in_order():
+    from rl_specdec.policy.state import bucketed
+
+    tied = torch.zeros(10)
+    items = [(["a", "a2"], tied), (["b"], torch.zeros(30)), (["c"], torch.zeros(5)), (["d"], torch.zeros(100)), (["e"], None), (["f"], torch.zeros(1))]
+    out = list(bucketed(items, max_bytes=160))  # float32: 40 (once), 120, 20, 400, -, 4 bytes
+    assert [list(b) for b in out] == [["a", "a2", "b"], ["c"], ["d"], ["f"]]  # d alone: larger than a bucket; e: another rank's
+    assert out[0]["a"] is out[0]["a2"] is tied  # a tied tensor: both names, one tensor (serialised once)
+
+
+def test_refit_names_every_tensor_and_ties_stay_tied():
+    """The engines get every name of the model's state dict: vLLM's reload does not re-tie an LM head it is not sent."""
+    w = started(build_toy_models().policy)
+    sd = w.state_dict_for_refit()
+    assert set(sd) == set(w.model.state_dict()) and "lm_head.weight" in sd  # the toy ties its head to the embedding
+    assert sd["lm_head.weight"] is sd["model.embed_tokens.weight"]
+
+
+def test_threads_share_a_host_and_local_ranks_count_per_host():
+    from rl_specdec.policy.group import threads_and_local_ranks, worker_bundle
+
+    nodes = [{"ip": "10.0.0.1", "host": "a", "host_cpus": 8}] * 3 + [{"ip": "10.0.0.2", "host": "b", "host_cpus": 4}]
+    assert threads_and_local_ranks(nodes, None) == [(2, 0), (2, 1), (2, 2), (4, 0)]
+    assert threads_and_local_ranks(nodes, 3) == [(3, 0), (3, 1), (3, 2), (3, 0)]
+    assert threads_and_local_ranks(nodes[:1], None) == [(8, 0)]  # one worker: every core, as before
+    cpu = PolicyConfig(device="cpu")
+    assert worker_bundle(cpu) == {}  # the default reserves nothing: no placement group
+    assert worker_bundle(PolicyConfig(device="cuda", cpus_per_worker=2)) == {"GPU": 1.0, "CPU": 2.0}
+    assert worker_bundle(PolicyConfig(device="cuda", gpus_per_worker=0)) == {}
+
+
+def test_worker_refuses_an_unresolved_config():
+    import pytest
+
+    with pytest.raises(ValueError, match="resolved once"):
+        PolicyWorker(PolicyConfig(model_name="x"))

@@ -1,4 +1,7 @@
-"""Unit tests of multi-turn token splicing (no engine): replace_prefix_tokens and the server's chat renderer."""
+"""Unit tests of multi-turn token splicing (no engine): replace_prefix_tokens.
+
+The splice inside the server is tested through a running server (test_multiturn.py, test_agent.py).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +10,6 @@ from types import SimpleNamespace
 import pytest
 
 from rl_specdec.generation import PrefixSpliceError, replace_prefix_tokens
-from rl_specdec.generation.server import ChatMessage, ChatRenderer, RequestError, ServerConfig
-from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE
 
 TOK2 = SimpleNamespace(eos_token_id=2)  # the seed document's example uses eos = 2
 
@@ -76,69 +77,3 @@ def test_template_that_loses_a_boundary_is_an_error():
 
 def test_error_type_is_a_value_error():
     assert issubclass(PrefixSpliceError, ValueError)
-
-
-# ---- the server's chat renderer on the toy tokenizer -------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def renderer(tokenizer):
-    return ChatRenderer(tokenizer, TOY_CHAT_TEMPLATE)
-
-
-def _msgs(*dicts):
-    return [ChatMessage(**d) for d in dicts]
-
-
-def test_toy_template_renders_the_task_prompt(renderer, tokenizer):
-    ids, spliced = renderer.prompt_ids(_msgs({"role": "user", "content": "31415"}))
-    assert ids == tokenizer.encode("31415=") and spliced is None
-
-
-def test_renderer_splices_the_models_tokens(renderer, tokenizer):
-    """The client sends the assistant's text back with a trailing space; the server keeps the model's ids."""
-    p1 = tokenizer.encode("31415=")
-    g1 = tokenizer.encode("11345") + [tokenizer.eos_token_id]
-    msgs = _msgs(
-        {"role": "user", "content": "31415"},
-        {"role": "assistant", "content": "11345 ", "prompt_token_ids": p1, "generation_token_ids": g1},
-        {"role": "user", "content": "27"},
-    )
-    ids, spliced = renderer.prompt_ids(msgs)
-    assert spliced == 1
-    assert ids == p1 + g1 + tokenizer.encode("27=")
-    # without the token ids the re-rendered history is different (the space becomes an extra token)
-    plain, _ = renderer.prompt_ids(_msgs(*({"role": m.role, "content": m.content} for m in msgs)))
-    assert plain[: len(p1) + len(g1)] != p1 + g1
-
-
-def test_renderer_rejects_half_a_token_record(renderer, tokenizer):
-    msgs = _msgs(
-        {"role": "user", "content": "31"},
-        {"role": "assistant", "content": "13", "generation_token_ids": [3, 5, 1]},
-        {"role": "user", "content": "2"},
-    )
-    with pytest.raises(RequestError, match="prompt_token_ids"):
-        renderer.prompt_ids(msgs)
-
-
-def test_renderer_reports_a_template_without_boundaries(tokenizer):
-    no_eos = "{%- for m in messages -%}{{ m['content'] }}={%- endfor -%}"
-    r = ChatRenderer(tokenizer, no_eos)
-    msgs = _msgs(
-        {"role": "user", "content": "31"},
-        {"role": "assistant", "content": "13", "prompt_token_ids": tokenizer.encode("31="), "generation_token_ids": [3, 5, 1]},
-        {"role": "user", "content": "2"},
-    )
-    with pytest.raises(RequestError, match="no turn boundary") as e:
-        r.prompt_ids(msgs)
-    assert e.value.status == 400
-
-
-def test_server_binds_loopback_only_by_default():
-    ServerConfig().check()
-    ServerConfig(host="localhost").check()
-    ServerConfig(host="::1").check()
-    with pytest.raises(ValueError, match="loopback"):
-        ServerConfig(host="0.0.0.0").check()
-    ServerConfig(host="0.0.0.0", allow_remote=True).check()

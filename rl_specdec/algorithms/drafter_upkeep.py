@@ -18,6 +18,7 @@ carry the drafter's weights and optimizer (:meth:`save`, :meth:`load`).
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
 
 from rl_specdec.config import RunConfig
@@ -27,6 +28,13 @@ from rl_specdec.logging import Timer
 from rl_specdec.spec_decode.canary import AcceptanceCanary
 
 logger = logging.getLogger(__name__)
+
+
+def drafter_subset(n: int, max_sequences: int, step: int) -> list[int]:
+    """Indices of the rollouts the drafter trains on at ``step``: all, or ``max_sequences`` of them at random (seeded by the step)."""
+    if max_sequences <= 0 or max_sequences >= n:
+        return list(range(n))
+    return sorted(random.Random(step).sample(range(n), max_sequences))
 
 
 class DrafterUpkeep:
@@ -50,7 +58,7 @@ class DrafterUpkeep:
 
     # ---- per step --------------------------------------------------------------------------
     def trains_at(self, step: int) -> bool:
-        return self.trainer is not None and (step + 1) % self.training.every == 0
+        return self.trainer is not None and self.speculating and (step + 1) % self.training.every == 0
 
     def top_k(self, step: int) -> int:
         """Log-probs per generated token the rollouts must return (0: none)."""
@@ -58,7 +66,7 @@ class DrafterUpkeep:
 
     def check(self, spec_metrics: dict[str, float], generation: RolloutEngine) -> dict[str, float]:
         """The acceptance canary on this step's rollouts (every step follows a refit)."""
-        if not spec_metrics or not spec_metrics.get("spec_decode/num_draft_tokens"):
+        if not self.speculating or not spec_metrics or not spec_metrics.get("spec_decode/num_draft_tokens"):
             return {}
         rate = spec_metrics["spec_decode/acceptance_rate"]
         if not self.canary.observe(rate):
@@ -67,9 +75,14 @@ class DrafterUpkeep:
         if self.action == "fail":
             raise SpecDecodeCanaryTripped(message + " Stopping (acceptance_canary.action=fail).")
         if self.action == "disable":
-            generation.set_speculation(0)
+            # fresh engines without a drafter; this step's refit (phase 6) gives them the trainer's weights
+            generation.disable_speculation()
             self.speculating = False
-            message += " Speculation is off for the rest of the run (acceptance_canary.action=disable)."
+            message += (
+                " Speculation is off for the rest of the run (acceptance_canary.action=disable): k=0 through the"
+                " k=0 fast path (speculation_control on), or the engines restarted without a drafter."
+                " A resumed run starts with speculation on again."
+            )
         logger.warning("%s", message)
         return {"spec_decode/canary": 1.0}
 
@@ -77,7 +90,9 @@ class DrafterUpkeep:
         if self.trains_at(step):
             from rl_specdec.drafter import distill_batch
 
-            self._batch = distill_batch(prompt_ids, out.token_ids, out.top_logprobs, self.training.top_k, pad_id)
+            idx = drafter_subset(len(prompt_ids), self.training.max_sequences, step)
+            pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+            self._batch = distill_batch(pick(prompt_ids), pick(out.token_ids), pick(out.top_logprobs), self.training.top_k, pad_id)
             if self.training.overlap:
                 self.trainer.train(self._batch)
 

@@ -47,7 +47,7 @@ from rl_specdec.algorithms.batch import Trajectory, build_train_batch, select_fo
 from rl_specdec.algorithms.checkpoint import CheckpointManager
 from rl_specdec.algorithms.drafter_upkeep import DrafterUpkeep
 from rl_specdec.algorithms.loss import ClippedPGLoss
-from rl_specdec.config import RunConfig, resolve_dtype, to_dict
+from rl_specdec.config import RunConfig, check_cluster_resources, to_dict
 from rl_specdec.environments import Sample, Task, make_task
 from rl_specdec.generation import GenerationOutput, RolloutEngine, SamplingSettings
 from rl_specdec.logging import MetricsLogger, Timer
@@ -110,7 +110,7 @@ def setup(cfg: RunConfig) -> GRPORun:
         if latest is not None:
             run.start_step = _resume(run, *latest)
         # the engines hold exactly the trainers' weights before the first rollout (dummy-loaded or not)
-        generation.update_weights(policy.state_dict_for_refit())
+        generation.update_weights_buckets(policy.state_dict_buckets())
         drafter.sync(generation)
     except BaseException:
         run.shutdown()
@@ -121,26 +121,16 @@ def setup(cfg: RunConfig) -> GRPORun:
 def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface, DrafterUpkeep]:
     from rl_specdec.generation.group import VllmGeneration
     from rl_specdec.generation.placement import cluster_has_gpus, init_ray
-    from rl_specdec.policy import RayPolicy
+    from rl_specdec.policy import PolicyGroup
 
     init_ray(cfg.cluster)
-    on_gpu = cluster_has_gpus()
-    resolve_dtype(cfg, on_gpu)  # a no-op when load_config already resolved it (local runs)
+    import ray
+
+    check_cluster_resources(cfg, ray.cluster_resources())  # more GPUs/CPUs than the cluster has: fail before any actor starts
     generation = VllmGeneration(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
     try:
-        policy = RayPolicy(
-            cfg.policy.model_name,
-            num_gpus=1 if on_gpu else 0,
-            dtype=cfg.policy.dtype,
-            learning_rate=cfg.policy.learning_rate,
-            weight_decay=cfg.policy.weight_decay,
-            max_grad_norm=cfg.policy.max_grad_norm,
-            micro_batch_size=cfg.policy.micro_batch_size,
-            keep_reference=cfg.grpo.kl_coef > 0 or cfg.grpo.log_kl,
-            seed=cfg.seed,
-            num_threads=cfg.policy.num_threads,
-        )
-        drafter = DrafterUpkeep.create(cfg, on_gpu)
+        policy = PolicyGroup(cfg.policy, keep_reference=cfg.grpo.kl_coef > 0 or cfg.grpo.log_kl, seed=cfg.seed)
+        drafter = DrafterUpkeep.create(cfg, cluster_has_gpus())
     except BaseException:
         generation.shutdown()
         raise
@@ -252,8 +242,8 @@ def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
         batch = build_train_batch(trajectories, advantages[keep], run.tokenizer.pad_token_id)
         train_metrics = run.policy.train_step(batch, run.loss_fn)
 
-    with timer("refit"):  # 6. the engines' target model gets the new weights (verified)
-        run.generation.update_weights(run.policy.state_dict_for_refit())
+    with timer("refit"):  # 6. the engines' target model gets the new weights, streamed in buckets (verified)
+        run.generation.update_weights_buckets(run.policy.state_dict_buckets())
     spec.update(run.drafter.after_refit(run.generation, timer))  # and the drafter, when it trained
 
     val_metrics = {}
@@ -301,13 +291,14 @@ def save_checkpoint(run: GRPORun, step: int, row: dict[str, Any]) -> None:
     run.checkpoints.save(step, save, state)
 
 
-def baseline(run: GRPORun) -> None:
+def baseline(run: GRPORun) -> dict[str, Any]:
     """The step-0 row: the start-up guard and the untrained policy's validation."""
     row = self_check(run)
     if run.cfg.grpo.val_every:
         row.update(validate(run))
     if row:
         run.metrics.log(row, step=0)
+    return row
 
 
 def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
@@ -318,8 +309,8 @@ def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
     g, last, step = cfg.grpo, {}, run.start_step
     show = cfg.logger.progress_bar if progress is None else progress
     try:
-        if run.start_step == 0:
-            baseline(run)
+        if run.start_step == 0 and "val/accuracy" in (row0 := baseline(run)) and show:
+            tqdm.write(f"step 0: val/accuracy {row0['val/accuracy']:.3f}  (before training)")
         bar = tqdm(range(run.start_step, g.max_steps), initial=run.start_step, total=g.max_steps, desc="GRPO", disable=not show)
         for step in bar:
             t0 = time.perf_counter()

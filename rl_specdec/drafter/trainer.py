@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F

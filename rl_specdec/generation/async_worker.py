@@ -2,9 +2,9 @@
 
 The async worker is for rollouts that should not wait for the slowest sample
 (multi-turn environments, agents, asynchronous RL): ``generate_async`` yields
-every sample as soon as it finishes, and an optional OpenAI-compatible server
-(:mod:`rl_specdec.generation.server`) lets environments talk to the engine
-over HTTP while the trainer still gets token ids and log-probs.
+every sample as soon as it finishes, and vLLM's own OpenAI server, mounted on
+the same engine (:mod:`rl_specdec.generation.server`), lets environments talk
+to it over HTTP while the trainer still gets token ids and log-probs.
 
 It builds on :class:`~rl_specdec.generation.worker.VllmWorkerBase` like the
 synchronous worker and has the same method names, so the one group class
@@ -47,7 +47,6 @@ class AsyncVllmWorker(VllmWorkerBase):
     def __init__(self):
         self.engine = None
         self.server = None
-        self.inflight = 0  # requests submitted to the engine and not finished yet
 
     @staticmethod
     def _async_engine_kwargs(vllm_kwargs: dict[str, Any], control: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -86,21 +85,13 @@ class AsyncVllmWorker(VllmWorkerBase):
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, seed=seed, **kwargs))
         self._note_platform()
         await self._drive(self._control_script(control, vllm_kwargs.get("speculative_config") is not None))
-        self.model_path = model
-        self.max_model_len = int(self.engine.model_config.max_model_len)
-        self.vocab_size = int(self.engine.model_config.get_vocab_size())
         facts = (await self.engine.collective_rpc("rl_specdec_engine_facts"))[0]
         info = self._start_info(t0, cpu_bind, facts, (await self.engine.collective_rpc("rl_specdec_settings"))[0])
         info["base_url"] = None
         if server is not None:
-            from transformers import AutoTokenizer
+            from rl_specdec.generation.server import ServerConfig, start_openai_server
 
-            from rl_specdec.generation.server import ServerConfig, start_server
-
-            cfg = ServerConfig(**server)
-            self.tokenizer = AutoTokenizer.from_pretrained(kwargs.get("tokenizer") or model)
-            self.model_name = cfg.served_model_name or model
-            self.server = await start_server(self, cfg)
+            self.server = await start_openai_server(self.engine, ServerConfig.from_dict(server))
             info["base_url"] = self.server.base_url
         return info
 
@@ -109,23 +100,12 @@ class AsyncVllmWorker(VllmWorkerBase):
         from vllm.inputs import TokensPrompt
 
         final = None
-        self.inflight += 1
-        try:
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, uuid.uuid4().hex):
-                final = out
-        finally:
-            self.inflight -= 1
+        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, uuid.uuid4().hex):
+            final = out
         if final is None:
             raise RuntimeError("the engine finished the request without an output (aborted?)")
         want_top = bool(params.logprobs)
         return [self._sample(c, want_top) for c in sorted(final.outputs, key=lambda c: c.index)]
-
-    async def generate_tokens(self, prompt_token_ids: list[int], params: dict[str, Any]) -> list[dict[str, Any]]:
-        """The HTTP server's entry: ``params`` are ``vllm.SamplingParams`` keyword arguments."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return await self._run(prompt_token_ids, SamplingParams(**params, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY))
 
     async def generate_async(
         self,
@@ -228,6 +208,19 @@ class AsyncVllmWorker(VllmWorkerBase):
             await self.engine.reset_prefix_cache()
         return {**report, "time_s": time.time() - t0}
 
+    async def begin_reload(self, target: str = "policy") -> dict[str, Any]:
+        return (await self.engine.collective_rpc("rl_specdec_begin_reload", args=(target,)))[0]
+
+    async def load_bucket(self, bucket: dict[str, Any]) -> dict[str, Any]:
+        from rl_specdec.generation.weights import pack
+
+        return (await self.engine.collective_rpc("rl_specdec_load_bucket", args=(pack(bucket),)))[0]
+
+    async def end_reload(self) -> dict[str, Any]:
+        report = (await self.engine.collective_rpc("rl_specdec_end_reload"))[0]
+        await self.engine.reset_prefix_cache()
+        return report
+
     async def reset_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()
 
@@ -241,17 +234,11 @@ class AsyncVllmWorker(VllmWorkerBase):
 
     async def num_inflight(self) -> int:
         """Requests submitted to the engine (by ``generate_async`` or the server) and not finished yet."""
-        return self.inflight
+        return self.engine.get_num_unfinished_requests()
 
     async def report_base_url(self) -> str | None:
         """``http://127.0.0.1:PORT/v1``, or None when the worker has no server."""
         return self.server.base_url if self.server is not None else None
-
-    async def server_stats(self) -> dict[str, int]:
-        if self.server is None:
-            return {}
-        st = self.server.app.state
-        return {"num_requests": st.num_requests, "num_errors": st.num_errors}
 
     async def shutdown(self) -> None:
         """Stop the server and the engine (its engine-core process exits)."""

@@ -25,6 +25,9 @@ class DrafterTrainingConfig:
     every: int = 1  # train and refit the drafter every N GRPO steps
     top_k: int = 8  # policy log-probs per generated token, returned by vLLM with the rollouts (<= 20)
     micro_batch_size: int = 128
+    # train on at most this many of a step's rollouts (a random subset, seeded by the step); 0: all.
+    # The drafter's training competes with the policy's for the same cores on CPU: this bounds its cost.
+    max_sequences: int = 0
     overlap: bool = True  # train in the drafter's own actor while the policy updates
 
 

@@ -136,6 +136,59 @@ class RlSpecdecExtension(SpecControlExtension):
                 reload_weights(self.vllm_config, self.model_runner.drafter.model, pairs, None, is_checkpoint_format=True)
         return {"loaded": len(pairs), "checksum": checksum(pairs), "problems": []}
 
+    # ---- a streamed refit: begin, one call per bucket, end ------------------------------------
+    def _rl_specdec_model(self, target: str):
+        if target == "policy":
+            return self.model_runner.get_model()
+        return getattr(getattr(self.model_runner, "drafter", None), "model", None)
+
+    def rl_specdec_begin_reload(self, target: str = "policy") -> dict[str, Any]:
+        """Start a streamed refit: vLLM's layerwise reload, opened here and closed by :meth:`rl_specdec_end_reload`.
+
+        The same three steps as vLLM's ``reload_weights`` (initialize, ``load_weights``
+        per bucket, finalize), so no process holds more than one bucket of new weights.
+        No generation may run until it ends.
+        """
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        if target not in ("policy", "drafter"):
+            raise ValueError(f"target must be 'policy' or 'drafter', got {target!r}")
+        model = self._rl_specdec_model(target)
+        if model is None:
+            return {"problems": ["this engine has no drafter model (speculative_config.method without a model)"]}
+        initialize_layerwise_reload(model)
+        self._rl_specdec_stream = {"target": target, "model": model, "names": set()}
+        return {"problems": []}
+
+    def rl_specdec_load_bucket(self, weights: list[Any]) -> dict[str, Any]:
+        """Load one bucket of a streamed refit; unknown or mis-shaped tensors are refused (none of the bucket loads)."""
+        from vllm.config import set_current_vllm_config
+
+        from rl_specdec.generation.weights import checksum, problems, unpack
+
+        st = self._rl_specdec_stream
+        pairs = unpack(weights)
+        found = problems(self._rl_specdec_expected(st["target"]), pairs, complete=False)
+        if not found:
+            with set_current_vllm_config(self.vllm_config):
+                st["model"].load_weights(iter(pairs))
+            st["names"].update(n for n, _ in pairs)
+        return {"loaded": 0 if found else len(pairs), "checksum": checksum(pairs), "problems": found}
+
+    def rl_specdec_end_reload(self) -> dict[str, Any]:
+        """Finish a streamed refit (layers nothing was sent for keep their weights); report missing tensors."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        from rl_specdec.generation.weights import missing
+
+        st, self._rl_specdec_stream = getattr(self, "_rl_specdec_stream", None), None
+        if st is None:  # begin refused (no drafter): nothing to finish
+            return {"problems": []}
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(st["model"], self.vllm_config.model_config)
+        return {"problems": missing(self._rl_specdec_expected(st["target"]), st["names"])}
+
 
 def _make_executor_class():
     from vllm.v1.executor.uniproc_executor import UniProcExecutor

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import ray
 from ray.exceptions import RayActorError
@@ -40,8 +40,15 @@ logger = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0)
-def _checksum_of(state_dict: dict[str, Any]) -> str:
-    return weights.checksum(state_dict)
+class _Checksummer:
+    """Computes the sender's checksum of a refit beside the engines' loads.
+
+    An actor, not a task: Ray reaps idle task workers after a second, so a task
+    per refit started a fresh process (and imported torch) every step, 1.7 s.
+    """
+
+    def checksum(self, state_dict: dict[str, Any]) -> str:
+        return weights.checksum(state_dict)
 
 
 class VllmGeneration:
@@ -54,7 +61,8 @@ class VllmGeneration:
         self._start(model, config, cluster or ClusterConfig(), seed, {})
 
     def _start(self, model: str, config: GenerationConfig, cluster: ClusterConfig, seed: int, start_kwargs: dict[str, Any]) -> None:
-        self.config, self.model, self.workers, self.pg = config, model, [], None
+        self.config, self.model, self.workers, self.pg, self._checksummer = config, model, [], None, None
+        self._restart_args = (cluster, seed, start_kwargs)
         init_ray(cluster)
         on_gpu = cluster_has_gpus()
         t0 = time.time()
@@ -64,7 +72,8 @@ class VllmGeneration:
             self.workers = [
                 actor.options(
                     num_cpus=0 if on_gpu else config.cpus_per_engine,
-                    num_gpus=0,  # the bundle holds the GPUs; vLLM places its own TP workers
+                    # the bundle's GPUs, so Ray sets CUDA_VISIBLE_DEVICES for this engine (and its TP processes)
+                    num_gpus=int(config.vllm_kwargs.get("tensor_parallel_size", 1)) if on_gpu else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i),
                     runtime_env={"env_vars": {k: str(v) for k, v in config.env_vars.items()}},  # at process start
                     **self.actor_options,
@@ -146,13 +155,50 @@ class VllmGeneration:
         does a checksum that differs from the sender's. Returns seconds.
         """
         ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(state_dict)
-        sent = _checksum_of.remote(ref)  # what was sent, computed beside the engines' loads
+        sent = self._checksummer_actor().checksum.remote(ref)  # what was sent, computed beside the engines' loads
         reports = self._get([w.update_weights.remote(ref, target) for w in self.workers])
         weights.verify_reports(reports, target, ray.get(sent))
         return max(r["time_s"] for r in reports)
 
+    def update_weights_buckets(self, buckets: Iterable[dict[str, Any] | ray.ObjectRef], target: str = "policy") -> float:
+        """Refit from a stream of ObjectRefs of state-dict pieces (``PolicyInterface.state_dict_buckets``).
+
+        Every engine loads each bucket as it comes (vLLM's layerwise reload, opened once
+        and closed after the last bucket), so neither the object store nor an engine
+        needs a second copy of the whole model. Verified bucket by bucket (names, shapes,
+        the sender's checksum) and at the end (nothing missing); a problem raises
+        ``WeightIntegrityError`` naming the engine and the tensor. Unlike
+        :meth:`update_weights`, buckets before a refused one stay loaded: the run stops.
+        Returns seconds.
+        """
+        t0 = time.time()
+        try:
+            begun = self._get([w.begin_reload.remote(target) for w in self.workers])
+            weights.verify_reports(begun, target, None)
+            for piece in buckets:
+                ref = piece if isinstance(piece, ray.ObjectRef) else ray.put(piece)
+                sent = self._checksummer_actor().checksum.remote(ref)
+                reports = self._get([w.load_bucket.remote(ref) for w in self.workers])
+                weights.verify_reports(reports, target, ray.get(sent), streamed=True)
+                del ref, piece  # the policy's stream runs ahead only a few buckets: let this one go
+        finally:
+            ends = self._get([w.end_reload.remote() for w in self.workers])
+        weights.verify_reports(ends, target, None, streamed=True)
+        return time.time() - t0
+
+    def _checksummer_actor(self):
+        if self._checksummer is None:
+            self._checksummer = _Checksummer.options(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg)).remote()
+        return self._checksummer
+
     def reset_prefix_cache(self) -> None:
         self._get([w.reset_prefix_cache.remote() for w in self.workers])
+
+    @property
+    def control_on(self) -> bool:
+        """Run-time k is installed: ``speculation_control`` is on and the engines speculate."""
+        on = speculation_control.is_on(self.config.speculation_control)
+        return on and self.config.vllm_kwargs.get("speculative_config") is not None
 
     def set_speculation(self, k_max: int) -> None:
         """At most ``k_max`` drafted tokens from now on, in every engine; 0 turns speculation off at no cost.
@@ -160,7 +206,7 @@ class VllmGeneration:
         Needs ``speculation_control.mode`` fixed (k becomes ``k_max`` everywhere) or
         adaptive (the controller never chooses more than ``k_max``).
         """
-        if not speculation_control.is_on(self.config.speculation_control):
+        if not self.control_on:
             raise RuntimeError(
                 "set_speculation needs run-time k: set policy.generation.speculation_control.mode to fixed or adaptive "
                 "(speculation_control.mode=off runs vLLM's k as configured)"
@@ -174,6 +220,21 @@ class VllmGeneration:
     def engine_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` of every engine's extension (``collective_rpc``); one result per engine. For tools and tests."""
         return [r[0] for r in self._get([w.engine_rpc.remote(method, *args, **kwargs) for w in self.workers])]
+
+    def disable_speculation(self) -> None:
+        """Speculation off for good. With run-time k (``speculation_control`` on): k=0 in
+        every engine, which runs vLLM's plain path through the k=0 fast path, with no
+        restart. Otherwise every engine restarts without ``speculative_config``: vLLM's
+        own non-speculative path. The new engines load the model path's weights (or
+        dummy ones): refit them before the next rollout.
+        """
+        if self.control_on:  # run-time k: k=0 through the fast path, no restart
+            self.set_speculation(0)
+            return
+        vllm_kwargs = {k: v for k, v in self.config.vllm_kwargs.items() if k != "speculative_config"}
+        config = dataclasses.replace(self.config, vllm_kwargs=vllm_kwargs)
+        self.shutdown()
+        self._start(self.model, config, *self._restart_args)
 
     def engine_counters(self) -> list[dict[str, Any]]:
         """Each engine's cumulative spec-decode counters (all its traffic); for tools and tests.
@@ -196,6 +257,9 @@ class VllmGeneration:
             except Exception:  # already dead: nothing to release
                 pass
             ray.kill(w, no_restart=True)
+        if getattr(self, "_checksummer", None) is not None:
+            ray.kill(self._checksummer, no_restart=True)
+            self._checksummer = None
         self.workers = []
         if getattr(self, "pg", None) is not None:
             remove_placement_group(self.pg)
@@ -209,12 +273,13 @@ class AsyncVllmGeneration(VllmGeneration):
     actor_options = {"max_concurrency": 1000}
 
     def __init__(self, model: str, config: GenerationConfig, cluster: ClusterConfig | None = None, seed: int = 0, server: Any = None):
-        from rl_specdec.generation.server import ServerConfig
+        """``server``: a :class:`~rl_specdec.generation.server.ServerConfig` or its fields as a dict; None: no HTTP."""
+        from rl_specdec.generation.server import ServerConfig, check_reasoning_parser
 
         if isinstance(server, ServerConfig):
             server = dataclasses.asdict(server)
-        if server is not None:
-            ServerConfig(**server).check()
+        if server is not None:  # load-time errors, before any actor starts
+            check_reasoning_parser(ServerConfig.from_dict(server), config.vllm_kwargs.get("reasoning_parser"))
         self._start(model, config, cluster or ClusterConfig(), seed, {"server": server})
 
     def base_urls(self) -> list[str | None]:

@@ -122,7 +122,22 @@ class RolloutEngine(Protocol):
         """
         ...
 
+    def update_weights_buckets(self, buckets: Any, target: str = "policy") -> float:
+        """The same, from an iterable of state-dict pieces (or ObjectRefs to them), loaded one at a time.
+
+        Verified per piece and at the end. Returns seconds.
+        """
+        ...
+
     def reset_prefix_cache(self) -> None: ...
+
+    def disable_speculation(self) -> None:
+        """Speculation off for good: the engines run without a drafter from now on.
+
+        The engines may come back with the weights of the model path, not the
+        trainer's: the caller refits them (``update_weights``) before the next rollout.
+        """
+        ...
 
     def set_speculation(self, k_max: int) -> None:
         """Draft at most ``k_max`` tokens from now on (0: speculation off, at no cost); raises where k is not settable."""

@@ -1,470 +1,387 @@
-"""A small OpenAI-compatible HTTP server in front of one async vLLM engine.
+"""vLLM's own OpenAI server, mounted on the ``AsyncLLM`` an engine actor already runs (vLLM 0.32).
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` and ``GET /health``. The server runs on the
-engine actor's own event loop (:class:`~rl_specdec.generation.async_worker.AsyncVllmWorker`
-starts it), binds a loopback address by default, and takes a free port that
-the worker reports (``report_base_url()``).
+The app is vLLM's (``build_app`` + ``init_app_state``), served by uvicorn on the
+actor's event loop, loopback by default, on a free port: chat, completions,
+streaming, stop strings, tools, structured outputs, ``/tokenize``, ``/metrics``.
+Our glue is installed by swapping the classes of two objects of the app's state:
 
-What an RL trainer needs beyond the OpenAI schema, on every choice of every
-response (on the ``message`` for chat, so it travels back with the history):
+* ``RLOnlineRenderer`` (the app's one ``OnlineRenderer``): stateless on-policy
+  splicing in ``preprocess_chat`` (:func:`~rl_specdec.generation.prefix.replace_prefix_tokens`),
+  and a 400 naming any request field vLLM would drop or ignore;
+* ``RLServingChat``: ``return_token_ids``/``logprobs`` on unless a request sets
+  them, and ``prompt_token_ids``/``generation_token_ids``/``generation_log_probs``
+  copied onto each returned assistant message, so the message goes back as is
+  and splices.
 
-* ``prompt_token_ids``: the exact ids the engine was prompted with;
-* ``generation_token_ids``: the ids it generated (final EOS included when it stopped on one);
-* ``generation_log_probs``: the log-prob of each generated id under the policy.
-
-Multi-turn token splicing (stateless): when a chat request's ``messages``
-contain an assistant message that carries ``prompt_token_ids`` and
-``generation_token_ids`` (the server put them there; OpenAI clients keep
-unknown fields when the message is sent back as a dict), the server renders
-the history with the chat template as usual and then replaces the rendered
-prefix up to the end of the *last such* assistant turn with those exact ids
-(:func:`~rl_specdec.generation.prefix.replace_prefix_tokens`). The new prompt
-therefore starts with every token of the previous turns, and a whole
-conversation is one monotonic token sequence. Nothing is stored on the
-server, so any engine of a group can serve any turn.
-
-Why not vLLM's own OpenAI server: in vLLM 0.32 it is built for its own
-process (an argparse namespace, app state, a renderer pipeline), and splicing
-tokens into a chat prompt means overriding internals of its chat serving
-class that change between releases. This module uses only AsyncLLM's public
-``generate`` and keeps the wire format of the fields it supports.
-
-Errors: a malformed request (bad JSON, a wrong type, an unknown model, a
-prompt longer than the context, a template that fails) gets a 4xx with an
-OpenAI-style ``{"error": {"message", "type", "code"}}`` body; the server keeps
-serving.
+:func:`check_vllm_hooks` fails when a vLLM upgrade moves what we override.
+See docs/multi_turn.md for the options, the fields and why the splice sits where it does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import dataclasses
+import functools
+import inspect
 import ipaddress
 import logging
-import socket
+import os
 import time
-import uuid
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol, Union
+from dataclasses import dataclass, field
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from rl_specdec.errors import PrefixSpliceError
+from rl_specdec.errors import ConfigError, PrefixSpliceError
 from rl_specdec.generation.prefix import replace_prefix_tokens
 
-logger = logging.getLogger(__name__)
+RL_MESSAGE_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
-MAX_N = 64
-MAX_TOP_LOGPROBS = 20
 
 @dataclass
 class ServerConfig:
-    """Settings of the per-engine HTTP server."""
+    """The ``server:`` settings of an async engine group (vLLM serve options that matter here)."""
 
     host: str = "127.0.0.1"
-    port: int = 0  # 0: a free port, reported by the worker's report_base_url()
-    chat_template: str | None = None  # a Jinja chat template; None: the tokenizer's own
-    served_model_name: str | None = None  # the name /v1/models lists; default: the model path
-    default_max_tokens: int | None = None  # when a request gives none; None: the rest of the context
-    allow_remote: bool = False  # bind a non-loopback address (reachable from other hosts)
+    port: int = 0  # 0: a free port (see base_url)
+    allow_remote: bool = False  # bind a non-loopback host
+    chat_template: str | None = None  # a Jinja string or a file; None: the tokenizer's
+    served_model_name: str | None = None  # default: the model path
+    tool_call_parser: str | None = None  # e.g. "hermes"
+    enable_auto_tool_choice: bool = False  # tool_choice="auto" (needs tool_call_parser)
+    reasoning_parser: str | None = None  # must match the engine's, if it has one
+    api_key: str | None = None  # required on /v1 when set
+    rl_defaults: bool = True  # return_token_ids/logprobs on unless a request sets them
+    reject_unknown_fields: bool = True  # 400 on request fields vLLM's schema does not know
+    log_tool_parse_errors: bool = False  # vLLM logs a traceback per malformed tool call; off: silenced
+    extra_args: list[str] = field(default_factory=list)  # any other `vllm serve` flags, verbatim
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ServerConfig":
+        """From the ``server:`` mapping; an unknown key is a ``ConfigError`` that lists the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(d) - known)
+        if bad:
+            raise ConfigError(f"unknown server key(s) {bad}; known: {', '.join(sorted(known))}")
+        cfg = cls(**d)
+        cfg.check()
+        return cfg
 
     def check(self) -> None:
-        if self.allow_remote:
-            return
-        host = "127.0.0.1" if self.host == "localhost" else self.host
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            raise ValueError(
-                f"server host {self.host!r} is not a loopback address; the server has no authentication, so it "
-                "binds 127.0.0.1 by default. Set allow_remote=True to serve other hosts (e.g. environments on "
-                "other nodes of a Ray cluster), on a trusted network only."
+        """Raise ``ConfigError`` naming the key and the fix on a bad setting (at load time, before any engine)."""
+        from vllm.reasoning import ReasoningParserManager
+        from vllm.tool_parsers import ToolParserManager
+
+        if not self.allow_remote and not _is_loopback(self.host):
+            raise ConfigError(
+                f"server.host {self.host!r} is not a loopback address; set server.allow_remote: true to serve other "
+                "hosts, on a trusted network only (vLLM's app has routes that server.api_key does not guard)"
             )
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ConfigError("server.enable_auto_tool_choice needs server.tool_call_parser (e.g. hermes)")
+        tools = ToolParserManager.list_registered()
+        if self.tool_call_parser and self.tool_call_parser not in tools:
+            raise ConfigError(f"server.tool_call_parser {self.tool_call_parser!r} is not one of vLLM's: {', '.join(sorted(tools))}")
+        reasoners = ReasoningParserManager.list_registered()
+        if self.reasoning_parser and self.reasoning_parser not in reasoners:
+            raise ConfigError(f"server.reasoning_parser {self.reasoning_parser!r} is not one of vLLM's: {', '.join(sorted(reasoners))}")
+        t = self.chat_template
+        if t is not None and not any(c in t for c in "{}\n") and not os.path.isfile(t):
+            raise ConfigError(f"server.chat_template {t!r} is neither a Jinja template nor an existing file")
 
 
-class ServerBackend(Protocol):
-    """What the server needs from an engine (the async worker implements it)."""
-
-    model_name: str
-    tokenizer: Any
-    max_model_len: int
-
-    async def generate_tokens(self, prompt_token_ids: list[int], params: dict[str, Any]) -> list[dict[str, Any]]:
-        """One dict per sample (``params["n"]``): token_ids, logprobs, finish_reason, top_logprobs."""
-        ...
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address("127.0.0.1" if host == "localhost" else host).is_loopback
+    except ValueError:
+        return False
 
 
-class RequestError(Exception):
-    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status = status
-        self.type = type_
-
-
-# ---- request schema ------------------------------------------------------------------
-
-
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)  # extension (vLLM): -1 is off
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None
-    stream: bool = False
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension (vLLM)
-    ignore_eos: bool = False  # extension (vLLM)
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-    # set by this server on assistant messages; sent back to continue a conversation on-policy
-    prompt_token_ids: list[int] | None = None
-    generation_token_ids: list[int] | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise RequestError(f"only text content parts are supported, got {p.get('type')!r}")
-            parts.append(p["text"])
-        return "".join(parts)
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-
-class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
-
-
-
-# ---- helpers --------------------------------------------------------------------------
-
-
-def _sampling_params(req, prompt_len: int, backend: ServerBackend, cfg: ServerConfig, num_logprobs: int) -> dict[str, Any]:
-    if req.stream:
-        raise RequestError("stream=true is not supported by this server; send stream=false")
-    if req.stop:
-        raise RequestError("stop strings are not supported (the engine does not detokenize); use stop_token_ids")
-    room = backend.max_model_len - prompt_len
-    if room < 1:
-        raise RequestError(f"the prompt has {prompt_len} tokens; this model's context is {backend.max_model_len} tokens")
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    if max_tokens is None:
-        max_tokens = min(room, cfg.default_max_tokens or room)
-    if max_tokens > room:
-        raise RequestError(
-            f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the context of "
-            f"{backend.max_model_len} tokens; ask for at most {room}"
+def check_reasoning_parser(cfg: ServerConfig, engine_reasoning_parser: str | None) -> None:
+    if cfg.reasoning_parser and engine_reasoning_parser and cfg.reasoning_parser != engine_reasoning_parser:
+        raise ConfigError(
+            f"server.reasoning_parser {cfg.reasoning_parser!r} differs from the engine's {engine_reasoning_parser!r} "
+            "(vllm_kwargs.reasoning_parser); make them equal or leave server.reasoning_parser unset"
         )
-    vocab = getattr(backend, "vocab_size", None)
-    for t in req.stop_token_ids or []:
-        if t < 0 or (vocab is not None and t >= vocab):
-            raise RequestError(f"stop_token_ids contains {t}, not a token id of this model")
-    return {
-        "n": req.n,
-        "max_tokens": int(max_tokens),
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "seed": req.seed,
-        "stop_token_ids": list(req.stop_token_ids or []),
-        "ignore_eos": req.ignore_eos,
-        "logprobs": num_logprobs,
-    }
 
 
-def _check_ids(ids: list[int], backend: ServerBackend, what: str) -> list[int]:
-    vocab = getattr(backend, "vocab_size", None)
-    for t in ids:
-        if not isinstance(t, int) or t < 0 or (vocab is not None and t >= vocab):
-            raise RequestError(f"{what} contains {t!r}, not a token id of this model")
-    return ids
+def serve_args(model: str, cfg: ServerConfig, engine_reasoning_parser: str | None = None):
+    """The ``argparse.Namespace`` that ``vllm serve`` would build for these settings (validated)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.launchers.launcher import validate_api_server_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = ["--model", model, "--host", cfg.host, "--port", str(cfg.port)]
+    argv += ["--disable-log-stats", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", "--disable-fastapi-docs"]
+    if cfg.chat_template is not None:
+        argv += ["--chat-template", cfg.chat_template]
+    if cfg.served_model_name:
+        argv += ["--served-model-name", cfg.served_model_name]
+    if cfg.tool_call_parser:
+        argv += ["--tool-call-parser", cfg.tool_call_parser]
+    if cfg.enable_auto_tool_choice:
+        argv += ["--enable-auto-tool-choice"]
+    if cfg.api_key:
+        argv += ["--api-key", cfg.api_key]
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(argv + list(cfg.extra_args))
+    if cfg.extra_args:  # engine flags there would be silently ignored: the engine is built already
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        base, engine = parser.parse_args(argv), {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        changed = sorted(k for k, v in vars(args).items() if k in engine and v != getattr(base, k, None))
+        if changed:
+            raise ConfigError(f"server.extra_args sets engine arguments {changed}; put them in vllm_kwargs")
+    # `vllm serve` sets this as a side effect of building the engine; here the engine exists already.
+    check_reasoning_parser(cfg, engine_reasoning_parser)
+    args.structured_outputs_config.reasoning_parser = cfg.reasoning_parser or engine_reasoning_parser or ""
+    validate_parsed_serve_args(args)
+    validate_api_server_args(args)
+    return args
 
 
-def _content_ids(tokenizer, ids: list[int], finish_reason: str) -> list[int]:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if finish_reason == "stop" and ids and ids[-1] == eos:
-        return ids[:-1]
-    return ids
+# ---- the hooks ---------------------------------------------------------------------------
 
 
-def _openai_logprobs(tokenizer, sample: dict[str, Any], top: int) -> dict[str, Any]:
-    """The chat ``logprobs`` object; tokens are written as their decoded text."""
-    content = []
-    tops = sample.get("top_logprobs") or [None] * len(sample["token_ids"])
-    for tok, lp, step in zip(sample["token_ids"], sample["logprobs"], tops):
-        entry = {"token": tokenizer.decode([tok]), "logprob": lp, "bytes": None, "top_logprobs": []}
-        if step and top:
-            ranked = sorted(step.items(), key=lambda kv: -kv[1])[:top]
-            entry["top_logprobs"] = [{"token": tokenizer.decode([t]), "logprob": v, "bytes": None} for t, v in ranked]
-        content.append(entry)
-    return {"content": content}
+def _rl_classes():
+    """Build the subclasses on first use (importing this module does not import vLLM)."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.exceptions import VLLMValidationError
+    from vllm.renderers.online_renderer import OnlineRenderer
 
+    class RLOnlineRenderer(OnlineRenderer):
+        """The app's renderer, plus on-policy splicing and unknown-field rejection."""
 
-class ChatRenderer:
-    """Chat messages -> prompt token ids, with the model's own tokens spliced in."""
+        reject_unknown = True
+        speculative = False  # the engine speculates: vLLM ignores min_p/logit_bias
 
-    def __init__(self, tokenizer, chat_template: str | None):
-        self.tokenizer = tokenizer
-        self.chat_template = chat_template
+        def _check_request(self, request):
+            bad = unknown_fields(request) if self.reject_unknown else []
+            if bad:
+                raise VLLMValidationError(f"unknown request field(s): {', '.join(bad)} (not part of vLLM's request schema; remove them)", parameter=bad[0])
+            for name, why in _unhonoured(request, self.speculative):
+                raise VLLMValidationError(f"{name} is not supported by this engine: {why}", parameter=name)
 
-    def render_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        if self.chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
-            raise RequestError(
-                "this model's tokenizer has no chat template and the server was started without one "
-                "(ServerConfig.chat_template); use /v1/completions or start the server with a template",
-                status=400,
-            )
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-        except Exception as e:  # jinja errors, raise_exception() in the template
-            raise RequestError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def prompt_ids(self, messages: list["ChatMessage"]) -> tuple[list[int], int | None]:
-        """(prompt ids, index of the assistant message whose tokens were spliced in, or None)."""
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
-        template_ids = self.render_ids(plain, add_generation_prompt=True)
-        last = None
-        for j, m in enumerate(messages):
-            if m.role == "assistant" and (m.generation_token_ids is not None or m.prompt_token_ids is not None):
-                if m.generation_token_ids is None or m.prompt_token_ids is None:
-                    raise RequestError(
-                        f"messages[{j}] carries only one of prompt_token_ids / generation_token_ids; send both "
-                        "(as this server returned them) or neither"
-                    )
-                last = j
-        if last is None:
-            return template_ids, None
-        m = messages[last]
-        template_prefix = self.render_ids(plain[: last + 1], add_generation_prompt=False)
-        try:
-            ids = replace_prefix_tokens(
-                self.tokenizer, list(m.prompt_token_ids) + list(m.generation_token_ids), template_prefix, template_ids
-            )
-        except PrefixSpliceError as e:
-            raise RequestError(str(e)) from e
-        return ids, last
-
-
-# ---- the app --------------------------------------------------------------------------
-
-
-def build_app(backend: ServerBackend, cfg: ServerConfig):
-    """The FastAPI app serving ``backend``."""
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
-
-    app = FastAPI(title="rl_specdec generation server", docs_url=None, redoc_url=None, openapi_url=None)
-    renderer = ChatRenderer(backend.tokenizer, cfg.chat_template)
-    tok = backend.tokenizer
-    app.state.num_requests = 0
-    app.state.num_errors = 0
-
-    def error(status: int, message: str, type_: str = "invalid_request_error") -> JSONResponse:
-        app.state.num_errors += 1
-        return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_, "code": status}})
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError):
-        parts = []
-        for e in exc.errors()[:5]:
-            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            parts.append(f"{loc or 'body'}: {e.get('msg')}")
-        return error(400, "invalid request: " + "; ".join(parts))
-
-    @app.exception_handler(RequestError)
-    async def _request_error(_request: Request, exc: RequestError):
-        return error(exc.status, str(exc), exc.type)
-
-    @app.exception_handler(Exception)
-    async def _internal(_request: Request, exc: Exception):  # the engine failed: report, keep serving
-        logger.exception("request failed")
-        return error(500, f"{type(exc).__name__}: {exc}", "internal_error")
-
-    def check_model(name: str) -> None:
-        if name not in (backend.model_name, getattr(backend, "model_path", None)):
-            raise RequestError(f"model {name!r} is not served here; this server serves {backend.model_name!r}", status=404, type_="not_found_error")
-
-    async def run(prompt_ids: list[int], params: dict[str, Any]) -> list[dict[str, Any]]:
-        try:
-            return await backend.generate_tokens(prompt_ids, params)
-        except (ValueError, TypeError) as e:  # vLLM's validation of the request
-            raise RequestError(f"the engine rejected the request: {e}") from e
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [{"id": backend.model_name, "object": "model", "created": 0, "owned_by": "rl_specdec", "max_model_len": backend.max_model_len}],
-        }
-
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
-        app.state.num_requests += 1
-        check_model(req.model)
-        prompt_ids, spliced = renderer.prompt_ids(req.messages)
-        _check_ids(prompt_ids, backend, "the prompt (with the spliced token ids)")
-        top = (req.top_logprobs or 0) if req.logprobs else 0
-        params = _sampling_params(req, len(prompt_ids), backend, cfg, top)
-        samples = await run(prompt_ids, params)
-        choices = []
-        for i, s in enumerate(samples):
-            content = tok.decode(_content_ids(tok, s["token_ids"], s["finish_reason"]), skip_special_tokens=True)
-            choices.append(
-                {
-                    "index": i,
-                    "message": {
-                        "role": "assistant",
-                        "content": content,
-                        "prompt_token_ids": prompt_ids,
-                        "generation_token_ids": s["token_ids"],
-                        "generation_log_probs": s["logprobs"],
-                    },
-                    "logprobs": _openai_logprobs(tok, s, top) if req.logprobs else None,
-                    "finish_reason": s["finish_reason"],
-                }
-            )
-        n_out = sum(len(s["token_ids"]) for s in samples)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": backend.model_name,
-            "choices": choices,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out, "total_tokens": len(prompt_ids) + n_out},
-            "prompt_token_ids": prompt_ids,
-            "spliced_message_index": spliced,
-        }
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        app.state.num_requests += 1
-        check_model(req.model)
-        p = req.prompt
-        if isinstance(p, str):
-            prompts = [tok.encode(p, add_special_tokens=False)]
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [_check_ids(list(p), backend, "prompt")]
-        elif p and all(isinstance(x, str) for x in p):
-            prompts = [tok.encode(x, add_special_tokens=False) for x in p]
-        elif p and all(isinstance(x, list) for x in p):
-            prompts = [_check_ids(list(x), backend, f"prompt[{i}]") for i, x in enumerate(p)]
-        else:
-            raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of such lists")
-        if any(len(x) == 0 for x in prompts):
-            raise RequestError("empty prompt")
-        top = req.logprobs or 0
-        all_params = [_sampling_params(req, len(x), backend, cfg, top) for x in prompts]
-        results = await asyncio.gather(*(run(x, prm) for x, prm in zip(prompts, all_params)))
-        choices, n_in, n_out = [], 0, 0
-        for x, samples in zip(prompts, results):
-            n_in += len(x)
-            for s in samples:
-                text = tok.decode(_content_ids(tok, s["token_ids"], s["finish_reason"]), skip_special_tokens=True)
-                if req.echo:
-                    text = tok.decode(x, skip_special_tokens=True) + text
-                choices.append(
-                    {
-                        "index": len(choices),
-                        "text": text,
-                        "logprobs": (
-                            {"tokens": [tok.decode([t]) for t in s["token_ids"]], "token_logprobs": s["logprobs"]}
-                            if req.logprobs is not None
-                            else None
-                        ),
-                        "finish_reason": s["finish_reason"],
-                        "prompt_token_ids": x,
-                        "generation_token_ids": s["token_ids"],
-                        "generation_log_probs": s["logprobs"],
-                    }
+        async def preprocess_chat(self, request, messages, *args, **kwargs):
+            self._check_request(request)
+            j = _spliced_turn(messages, VLLMValidationError)
+            prefix = copy.deepcopy(list(messages[: j + 1])) if j is not None else None
+            conversation, engine_inputs = await super().preprocess_chat(request, messages, *args, **kwargs)
+            if j is None:
+                return conversation, engine_inputs
+            prefix_request = request.model_copy(update={"add_generation_prompt": False, "continue_final_message": False})
+            _, (prefix_input,) = await super().preprocess_chat(prefix_request, prefix, *args, **kwargs)
+            (engine_input,) = engine_inputs
+            m = messages[j]
+            try:
+                ids = replace_prefix_tokens(
+                    self.renderer.get_tokenizer(),
+                    list(m["prompt_token_ids"]) + list(m["generation_token_ids"]),
+                    prefix_input["prompt_token_ids"],
+                    engine_input["prompt_token_ids"],
                 )
-                n_out += len(s["token_ids"])
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": backend.model_name,
-            "choices": choices,
-            "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out},
-        }
+            except PrefixSpliceError as e:
+                raise VLLMValidationError(str(e), parameter=f"messages[{j}].generation_token_ids") from e
+            self.renderer.validate_token_ids(ids, parameter=f"messages[{j}]")
+            engine_input["prompt_token_ids"] = ids
+            engine_input.pop("prompt_token_offsets", None)  # offsets into the template's text, no longer true
+            if "prompt" in engine_input:  # the text that echo/return_prompt_text report
+                engine_input["prompt"] = self.renderer.get_tokenizer().decode(ids)
+            return conversation, engine_inputs
 
-    return app
+        async def preprocess_completion(self, request, *args, **kwargs):
+            self._check_request(request)
+            return await super().preprocess_completion(request, *args, **kwargs)
+
+    class RLServingChat(OpenAIServingChat):
+        """RL defaults on the request; the RL fields copied onto each returned message."""
+
+        async def create_chat_completion(self, request, raw_request=None):
+            given = request.model_fields_set
+            if "return_token_ids" not in given:
+                request.return_token_ids = True
+            if "logprobs" not in given and "top_logprobs" not in given:
+                request.logprobs = True
+            return await super().create_chat_completion(request, raw_request)
+
+        async def chat_completion_full_generator(self, request, *args, **kwargs):
+            response = await super().chat_completion_full_generator(request, *args, **kwargs)
+            if getattr(response, "prompt_token_ids", None) is None:
+                return response  # an ErrorResponse, or return_token_ids=false
+            for choice in response.choices:
+                msg = choice.message
+                msg.prompt_token_ids = response.prompt_token_ids
+                msg.generation_token_ids = choice.token_ids
+                if choice.logprobs is not None and choice.logprobs.content is not None:
+                    msg.generation_log_probs = [c.logprob for c in choice.logprobs.content]
+            return response
+
+    return RLOnlineRenderer, RLServingChat
 
 
-# ---- running it on the current event loop ------------------------------------------------
+def _spliced_turn(messages: list[Any], error: type[Exception]) -> int | None:
+    """Index of the last assistant message that carries its token ids, checked; None if none."""
+    last = None
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") != "assistant":
+            continue
+        has = [m.get(k) is not None for k in RL_MESSAGE_FIELDS[:2]]
+        if any(has) and not all(has):
+            raise error(f"messages[{j}] carries only one of prompt_token_ids/generation_token_ids; send both or neither", parameter=f"messages[{j}]")
+        if all(has):
+            for k in RL_MESSAGE_FIELDS[:2]:
+                v = m[k]
+                if not isinstance(v, list) or not all(type(t) is int and t >= 0 for t in v):
+                    raise error(f"messages[{j}].{k} must be a list of token ids", parameter=f"messages[{j}].{k}")
+            last = j
+    return last
+
+
+@functools.lru_cache(maxsize=1)
+def _message_keys() -> frozenset[str]:
+    """Every key some chat message type of vLLM's request schema declares, plus ours."""
+    import typing
+
+    from vllm.renderers.chat_utils import ChatCompletionMessageParam
+
+    keys: set[str] = set(RL_MESSAGE_FIELDS)
+    for t in typing.get_args(ChatCompletionMessageParam):
+        keys |= set(getattr(t, "__annotations__", {})) | set(getattr(t, "model_fields", {}))
+    return frozenset(keys)
+
+
+def unknown_fields(obj: Any, path: str = "") -> list[str]:
+    """Dotted paths of the fields in a parsed request that its schema does not declare.
+
+    vLLM's request models are ``extra="allow"`` (``OpenAIBaseModel``): an unknown field
+    is kept in ``model_extra`` and otherwise ignored (logged at DEBUG). Messages are
+    TypedDicts (kept whole); an unknown message key counts when its value is not None
+    (clients echo response-only keys such as ``annotations: null``).
+    """
+    from pydantic import BaseModel
+
+    found: list[str] = []
+    if isinstance(obj, BaseModel):
+        found += [f"{path}{k}" for k in (obj.model_extra or {})]
+        for name, value in obj.__dict__.items():  # field values, without tripping deprecated-field warnings
+            if name == "messages" and isinstance(value, list):
+                allowed = _message_keys()
+                found += [f"{path}messages[{i}].{k}" for i, m in enumerate(value) if isinstance(m, dict) for k in m if k not in allowed and m[k] is not None]
+            elif isinstance(value, (BaseModel, list)):
+                found += unknown_fields(value, f"{path}{name}.")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            if isinstance(v, BaseModel):
+                found += unknown_fields(v, f"{path[:-1]}[{i}].")
+    return found
+
+
+def _unhonoured(request: Any, speculative: bool) -> list[tuple[str, str]]:
+    """Schema fields this engine would silently ignore, with the reason."""
+    if not speculative:
+        return []
+    out = []
+    if getattr(request, "logit_bias", None):
+        out.append(("logit_bias", "vLLM ignores it under speculative decoding (no logits processors in the rejection sampler)"))
+    if (getattr(request, "min_p", None) or 0.0) > 0.0:
+        out.append(("min_p", "vLLM ignores it under speculative decoding"))
+    return out
+
+
+def check_vllm_hooks() -> None:
+    """Fail loudly if a vLLM upgrade moved what this module overrides (call at start-up and in a test)."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.renderers.online_renderer import OnlineRenderer
+
+    expected = {
+        (OnlineRenderer, "preprocess_chat"): ["self", "request", "messages", "default_template", "default_template_content_format", "default_template_kwargs", "tool_dicts", "parser", "skip_mm_cache"],
+        (OnlineRenderer, "preprocess_completion"): ["self", "request", "prompt_input", "prompt_embeds", "skip_mm_cache"],
+        (OpenAIServingChat, "create_chat_completion"): ["self", "request", "raw_request"],
+        (OpenAIServingChat, "chat_completion_full_generator"): ["self", "request", "result_generator", "request_id", "model_name", "conversation", "tokenizer", "request_metadata", "parser", "mm_token_counts"],
+    }
+    for (cls, name), params in expected.items():
+        fn = getattr(cls, name, None)
+        got = list(inspect.signature(fn).parameters) if fn is not None else None
+        if got != params or not inspect.iscoroutinefunction(fn):
+            raise RuntimeError(f"vLLM moved {cls.__name__}.{name}: expected async ({', '.join(params)}), found {got}; update rl_specdec/generation/server.py")
+
+
+def install_rl_hooks(state: Any, cfg: ServerConfig) -> None:
+    """Swap the classes of the app's renderer and chat handler for ours (same objects, so every holder sees them)."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.renderers.online_renderer import OnlineRenderer
+
+    check_vllm_hooks()
+    RLOnlineRenderer, RLServingChat = _rl_classes()
+    renderer = state.online_renderer
+    if type(renderer) is not OnlineRenderer or type(state.openai_serving_chat) is not OpenAIServingChat:
+        raise RuntimeError(f"unexpected app state: {type(renderer)}, {type(state.openai_serving_chat)}")
+    for name, obj in state._state.items():  # every handler must render through the one renderer
+        held = getattr(obj, "online_renderer", None)
+        if held is not None and held is not renderer:
+            raise RuntimeError(f"app.state.{name} holds its own OnlineRenderer; the splice would not reach it")
+    renderer.__class__ = RLOnlineRenderer
+    renderer.reject_unknown = cfg.reject_unknown_fields
+    renderer.speculative = state.vllm_config.speculative_config is not None
+    if cfg.rl_defaults:
+        state.openai_serving_chat.__class__ = RLServingChat
+
+
+# ---- serving on the running event loop -----------------------------------------------------
 
 
 @dataclass
 class RunningServer:
     base_url: str
-    server: Any  # uvicorn.Server
+    server: Any  # uvicorn server
     task: asyncio.Task
     app: Any
+    start_s: float = 0.0  # building the app + state + serving, on a running engine
 
     async def stop(self, timeout: float = 10.0) -> None:
+        """Stop accepting, finish open responses (up to ``timeout``), close the socket. The engine stays."""
         self.server.should_exit = True
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.task, timeout)
+            await asyncio.wait_for(asyncio.shield(self.task), timeout)
         if not self.task.done():
+            self.server.force_exit = True
             self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
 
 
-async def start_server(backend: ServerBackend, cfg: ServerConfig, start_timeout: float = 30.0) -> RunningServer:
-    """Serve ``backend`` on the running event loop; returns once the socket accepts connections."""
+async def start_openai_server(engine: Any, cfg: ServerConfig, start_timeout: float = 60.0) -> RunningServer:
+    """Mount vLLM's OpenAI app on ``engine`` (a running ``AsyncLLM``) and serve it on this event loop."""
     import uvicorn
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import NoSignalServer, create_server_socket
 
+    t0 = time.monotonic()
     cfg.check()
+    if not cfg.log_tool_parse_errors:  # a malformed call comes back as content; vLLM also logs a traceback
+        logging.getLogger("vllm.tool_parsers").setLevel(logging.CRITICAL)
+    reasoning = engine.vllm_config.structured_outputs_config.reasoning_parser or None
+    args = serve_args(engine.model_config.model, cfg, reasoning)
+    tasks = await engine.get_supported_tasks()
+    app = build_app(args, tasks, engine.model_config)
+    await init_app_state(engine, app.state, args, tasks)
+    install_rl_hooks(app.state, cfg)
 
-    class _Server(uvicorn.Server):
-        def capture_signals(self):  # the host process (a Ray actor) owns its signals
-            return contextlib.nullcontext()
-
-    app = build_app(backend, cfg)
-    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((cfg.host, cfg.port))
+    sock = create_server_socket((cfg.host, cfg.port), reuse_port=False)
     port = sock.getsockname()[1]
-    server = _Server(
-        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30, backlog=1024)
-    )
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30, backlog=2048)
+    server = NoSignalServer(config)  # the host process (a Ray actor) owns its signals
+    app.state.server = server  # vLLM's engine-dead handler stops the server through it
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     deadline = time.monotonic() + start_timeout
     while not server.started:
         if task.done():
-            task.result()  # raises the start-up error
+            task.result()
             raise RuntimeError("the HTTP server stopped during start-up")
         if time.monotonic() > deadline:
+            server.should_exit = True
             raise TimeoutError(f"the HTTP server did not start within {start_timeout:.0f}s")
-        await asyncio.sleep(0.05)
-    host = f"[{cfg.host}]" if family == socket.AF_INET6 else cfg.host
-    base_url = f"http://{host}:{port}/v1"
-    logger.info("OpenAI-compatible server for %s at %s", backend.model_name, base_url)
-    return RunningServer(base_url, server, task, app)
+        await asyncio.sleep(0.02)
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    return RunningServer(base_url=f"http://{host}:{port}/v1", server=server, task=task, app=app, start_s=time.monotonic() - t0)

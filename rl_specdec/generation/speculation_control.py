@@ -102,18 +102,10 @@ def _check_engine(gen: GenerationConfig) -> None:
 
 
 def validate(gen: GenerationConfig) -> None:
-    """Load-time checks of ``speculation_control`` and of ``acceptance_canary.action=disable``, which needs it."""
+    """Load-time checks of ``speculation_control``."""
     c = gen.speculation_control
     if c.mode not in MODES:
         raise ConfigError(f"{KEY}.mode={c.mode!r} must be one of {', '.join(MODES)}.")
-    if gen.acceptance_canary.action == "disable" and (c.mode == "off" or not c.k0_fast_path):
-        method = (gen.vllm_kwargs.get("speculative_config") or {}).get("method")
-        raise ConfigError(
-            "policy.generation.acceptance_canary.action=disable turns speculation off for the rest of the run at no cost, "
-            f"through the k=0 fast path, which needs {KEY}.mode=fixed or adaptive with k0_fast_path=true and method "
-            f"draft_model (this config: mode={c.mode}, k0_fast_path={c.k0_fast_path}, method={method}). "
-            "Set those, or use acceptance_canary.action=warn or fail (ngram, suffix and EAGLE have no fast path)."
-        )
     if c.mode == "off":
         return
     _check_engine(gen)

@@ -90,8 +90,12 @@ def expected_tensors(hf_config) -> tuple[dict[str, tuple[int, ...]], set[str]] |
     return shapes, ({"lm_head.weight"} if tied else set())
 
 
-def problems(expected: tuple[dict[str, tuple[int, ...]], set[str]] | None, pairs: list[tuple[str, Any]]) -> list[str]:
-    """What is wrong with a full refit ``pairs`` for a model with ``expected`` tensors ([] if nothing)."""
+def problems(expected: tuple[dict[str, tuple[int, ...]], set[str]] | None, pairs: list[tuple[str, Any]], complete: bool = True) -> list[str]:
+    """What is wrong with a refit ``pairs`` for a model with ``expected`` tensors ([] if nothing).
+
+    ``complete=False``: ``pairs`` is one bucket of a streamed refit; names and shapes are
+    checked, missing tensors are not (see :func:`missing`).
+    """
     if expected is None:
         return []
     shapes, optional = expected
@@ -102,28 +106,37 @@ def problems(expected: tuple[dict[str, tuple[int, ...]], set[str]] | None, pairs
             out.append(f"tensor {name!r} is not a parameter of the model" + (f" (did you mean {close[0]!r}?)" if close else ""))
         elif tuple(t.shape) != shapes[name]:
             out.append(f"tensor {name!r} has shape {tuple(t.shape)}, the model's is {shapes[name]}")
-    missing = sorted(set(shapes) - optional - {n for n, _ in pairs})
-    if missing:
-        out.append(f"{len(missing)} tensor(s) missing, e.g. {missing[:3]}")
+    if complete:
+        out += missing(expected, {n for n, _ in pairs})
     return out
 
 
-def verify_reports(reports: list[dict[str, Any]], target: str, expected_checksum: str | None) -> None:
+def missing(expected: tuple[dict[str, tuple[int, ...]], set[str]] | None, names: set[str]) -> list[str]:
+    """The problem of a refit that did not send every tensor ([] if it did)."""
+    if expected is None:
+        return []
+    shapes, optional = expected
+    gone = sorted(set(shapes) - optional - names)
+    return [f"{len(gone)} tensor(s) missing, e.g. {gone[:3]}"] if gone else []
+
+
+def verify_reports(reports: list[dict[str, Any]], target: str, expected_checksum: str | None, streamed: bool = False) -> None:
     """Fail closed: every engine loaded the whole refit, and holds the bytes that were sent."""
     from rl_specdec.errors import WeightIntegrityError
 
+    kept = "the buckets before this one were loaded, so the run must stop" if streamed else "kept its previous weights"
     for i, r in enumerate(reports):
         if r["problems"]:
             raise WeightIntegrityError(
-                f"engine {i} refused the {target} refit and kept its previous weights: " + "; ".join(r["problems"])
+                f"engine {i} refused the {target} refit ({kept}): " + "; ".join(r["problems"])
                 + ". The trainer's state dict does not match the engine's model: check that both load the same "
                 "architecture (policy.model_name / speculative_config.model) and that names are Hugging Face names."
             )
-        if expected_checksum is not None and r["checksum"] != expected_checksum:
+        if expected_checksum is not None and r.get("checksum") != expected_checksum:
             raise WeightIntegrityError(
                 f"engine {i} received {target} weights with checksum {r['checksum']}, but {expected_checksum} was "
                 "sent: the weights were corrupted on the way. Restart the run (resume=true)."
             )
-    sums = {r["checksum"] for r in reports}
+    sums = {r.get("checksum") for r in reports}
     if len(sums) > 1:
         raise WeightIntegrityError(f"the engines hold different {target} weights after one refit (checksums {sorted(sums)})")

@@ -264,6 +264,18 @@ class VllmWorker(VllmWorkerBase):
             self.llm.reset_prefix_cache()  # cached KV computed with the old weights is wrong for the new ones
         return {**report, "time_s": time.time() - t0}
 
+    # a streamed refit (VllmGeneration.update_weights_buckets): begin, one call per bucket, end
+    def begin_reload(self, target: str = "policy") -> dict[str, Any]:
+        return self.llm.collective_rpc("rl_specdec_begin_reload", args=(target,))[0]
+
+    def load_bucket(self, bucket: dict[str, Any]) -> dict[str, Any]:
+        return self.llm.collective_rpc("rl_specdec_load_bucket", args=(list(bucket.items()),))[0]
+
+    def end_reload(self) -> dict[str, Any]:
+        report = self.llm.collective_rpc("rl_specdec_end_reload")[0]
+        self.llm.reset_prefix_cache()  # new weights, partly or wholly: cached KV is stale either way
+        return report
+
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 

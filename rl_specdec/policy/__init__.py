@@ -1,5 +1,8 @@
-"""The trainable torch policy (a Ray actor) and the interface the loop uses."""
+"""The trainable torch policy: one worker process, or a data-parallel group of Ray actors, behind one interface."""
 
-from rl_specdec.policy.worker import LossFn, PolicyInterface, PolicyWorker, RayPolicy, token_logprobs_and_entropy
+from rl_specdec.errors import PolicyWorkerDied
+from rl_specdec.policy.group import PolicyGroup
+from rl_specdec.policy.interface import LossFn, PolicyInterface
+from rl_specdec.policy.worker import PolicyWorker, token_logprobs_and_entropy
 
-__all__ = ["LossFn", "PolicyInterface", "PolicyWorker", "RayPolicy", "token_logprobs_and_entropy"]
+__all__ = ["LossFn", "PolicyGroup", "PolicyInterface", "PolicyWorker", "PolicyWorkerDied", "token_logprobs_and_entropy"]

@@ -1,44 +1,31 @@
-"""The torch policy: a Hugging Face causal LM in a Ray actor that trains.
+"""One policy process: a Hugging Face causal LM, its AdamW optimizer and an
+optional frozen reference copy.
 
-The loop reaches it through :class:`PolicyInterface` (log-probs, one train
-step, a state dict for refit, checkpoints), so a multi-GPU FSDP2 group can
-stand in for the single CPU actor. The loss is *given* to ``train_step`` by
-the caller: this package knows nothing of GRPO.
-
-Batch layout (right-padded, ``N`` sequences of length ``T``)::
-
-    input_ids      [N, T]    prompt + response token ids
-    attention_mask [N, T]    1 on real tokens
-    loss_mask      [N, T-1]  1 where token t+1 is a response token (the ones we score)
-    + any per-token [N, T-1] or per-sequence [N] tensors the loss needs
-
-``token_logprobs[n, t]`` is log p(input_ids[n, t+1] | input_ids[n, :t+1]).
+Alone (``start()`` with the defaults) it is the whole trainer, in this
+process or in one Ray actor. In a :class:`~rl_specdec.policy.group.PolicyGroup`
+every worker runs the same code on its shard of the batch, and
+torch.distributed (:mod:`rl_specdec.policy.distributed`) makes them one
+data-parallel trainer: DDP replicas or FSDP2 shards. The batch layout and
+the loss contract are in :mod:`rl_specdec.policy.interface`.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import time
-from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
-# loss_fn(token_logprobs [n, T-1], micro_batch, ref_logprobs or None) -> (scalar loss, {name: scalar tensor})
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+from rl_specdec.policy import state
+from rl_specdec.policy.distributed import free_port, grad_sync, init_process_group, needs_process_group, reduce_metrics, shard_frozen, wrap_for_training
+from rl_specdec.policy.interface import LossFn
 
-
-class PolicyInterface(Protocol):
-    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]: ...
-
-    def get_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
-
-    def state_dict_for_refit(self) -> Any: ...
-
-    def save_checkpoint(self, path: str) -> None: ...
-
-    def load_checkpoint(self, path: str) -> None: ...
+if TYPE_CHECKING:
+    from rl_specdec.config import PolicyConfig
 
 
 def token_logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool = False):
@@ -53,44 +40,92 @@ def token_logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: t
     return logp, entropy
 
 
-def _dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return getattr(torch, name)
-
-
 class PolicyWorker:
-    """One process, one model. Wrapped with ``ray.remote`` by :class:`RayPolicy`."""
+    """One process of the policy. Build it, then ``start()`` it (the group starts its actors in two steps
+    because rank 0's address must be known before any worker joins the process group)."""
 
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        dtype: str = "auto",
-        learning_rate: float = 1e-4,
-        weight_decay: float = 0.0,
-        max_grad_norm: float = 1.0,
-        micro_batch_size: int = 64,
-        keep_reference: bool = False,
-        seed: int = 0,
-        num_threads: int | None = None,
-    ):
+    def __init__(self, config: PolicyConfig, *, keep_reference: bool = False, seed: int = 0):
+        if config.dtype == "auto" or config.device == "auto":
+            raise ValueError(
+                f"policy.dtype={config.dtype!r}, policy.device={config.device!r}: 'auto' is resolved once, when the config "
+                "is loaded (rl_specdec.config.resolve_device_and_dtype); pass a loaded or resolved PolicyConfig"
+            )
+        self.config = config
+        self.keep_reference = keep_reference
+        self.seed = seed
+        self.rank, self.world_size = 0, 1
+
+    def node_info(self) -> dict[str, Any]:
+        """Where this worker runs (it names the worker in errors) and a free port for the rendezvous."""
+        import socket
+
+        import ray
+
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "host_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+            "free_port": free_port(),
+        }
+
+    def start(self, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0, *, num_threads: int | None = None, local_rank: int = 0) -> None:
+        """Join the process group (if any), load the model, shard or replicate it, build the optimizer."""
+        cfg = self.config
+        torch.manual_seed(self.seed)
+        if cfg.device == "cuda":  # a reserved GPU is cuda:0 in this actor; a shared node's GPUs go by local rank
+            self.device = torch.device("cuda", local_rank if cfg.gpus_per_worker == 0 else 0)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(num_threads or cfg.num_threads or os.cpu_count() or 1)
+        self.rank, self.world_size = rank, world_size
+        if needs_process_group(world_size, cfg.strategy):
+            init_process_group(rank, world_size, master_addr, master_port, self.device)
+        self.dtype = getattr(torch, cfg.dtype)
+        adamw = functools.partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        self._attach(self._load(), adamw, self._load if self.keep_reference else None)
+
+    def _load(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        torch.manual_seed(seed)
-        if not torch.cuda.is_available():
-            torch.set_num_threads(num_threads or os.cpu_count() or 1)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype = _dtype(dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
+        return AutoModelForCausalLM.from_pretrained(self.config.model_name, dtype=self.dtype).to(self.device)
+
+    @classmethod
+    def from_module(cls, config: PolicyConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> PolicyWorker:
+        """A started single-process worker around an in-memory ``model`` and its ``optimizer`` (tests).
+
+        The same micro-batching, train step and loss contract as a loaded
+        worker; ``config`` gives ``micro_batch_size`` and ``max_grad_norm`` (its
+        model, dtype, device and optimizer settings are not used: the model
+        stays where it is). ``model(input_ids=..., attention_mask=...)`` must
+        return an object with ``.logits`` [N, T, V]. It joins no process
+        group: in a process without torch.distributed the model is trained as
+        it is (neither wrapped nor sharded). No reference model is kept.
+        """
+        self = cls(config)
+        self.device = next(model.parameters()).device
+        self._attach(model, lambda _params: optimizer, load_reference=None)
+        return self
+
+    def _attach(self, model: torch.nn.Module, make_optimizer: Callable[[Iterator[torch.nn.Parameter]], torch.optim.Optimizer], load_reference: Callable[[], torch.nn.Module] | None) -> None:
+        """The one path from a model to a trainable worker, whoever built the model.
+
+        The model is wrapped (DDP) or sharded (FSDP2) first; the frozen
+        reference is loaded only then, so one unsharded model sits in memory
+        at a time; the optimizer is built last, over the parameters as
+        sharding left them.
+        """
+        self.model = model
         self.model.train()
+        self.train_model = wrap_for_training(self.model, self.config.strategy, self.device)  # DDP wrapper, or the FSDP2-sharded model
         self.ref = None
-        if keep_reference:
-            self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
-            self.ref.requires_grad_(False)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, weight_decay=weight_decay)
-        self.max_grad_norm = max_grad_norm
-        self.micro_batch_size = micro_batch_size
+        if load_reference is not None:
+            ref = load_reference().eval()
+            ref.requires_grad_(False)
+            self.ref = shard_frozen(ref, self.config.strategy, self.device)
+        self.opt = make_optimizer(self.model.parameters())
 
     def _micro_batches(self, batch: dict[str, torch.Tensor], keep_order: bool = False):
         """Length-sorted micro-batches, each trimmed to its own longest sequence.
@@ -104,8 +139,8 @@ class PolicyWorker:
         lengths = batch["attention_mask"].sum(1)  # [N]
         n = lengths.shape[0]
         order = torch.arange(n) if keep_order else torch.argsort(lengths, descending=True, stable=True)
-        for s in range(0, n, self.micro_batch_size):
-            idx = order[s : s + self.micro_batch_size]
+        for s in range(0, n, self.config.micro_batch_size):
+            idx = order[s : s + self.config.micro_batch_size]
             t = int(lengths[idx].max())
             mb = {}
             for k, v in batch.items():
@@ -127,96 +162,56 @@ class PolicyWorker:
         return out
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over the whole batch (gradient accumulation over micro-batches).
+        """One optimizer step over this worker's batch (gradient accumulation over micro-batches).
 
-        ``loss_fn`` must normalise by the whole batch (e.g. divide by the
-        batch's total response tokens), so summing micro-batch losses gives
-        the full-batch loss.
+        ``loss_fn`` must normalise by the whole (global) batch, e.g. divide by
+        its total response tokens, so summing micro-batch losses, and the
+        workers' gradients, gives the full-batch loss. Gradients are reduced
+        across workers on the last micro-batch only; metrics are reduced too,
+        so every worker returns the whole batch's figures.
         """
         t0 = time.time()
         self.opt.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        ntok = float(batch["loss_mask"].sum())
-        ent_sum = 0.0
-        for _, mb in self._micro_batches(batch):
-            logp, entropy = token_logprobs_and_entropy(self.model, mb["input_ids"], mb["attention_mask"], with_entropy=True)
-            ref_logp = None
-            if self.ref is not None:
-                with torch.no_grad():
-                    ref_logp, _ = token_logprobs_and_entropy(self.ref, mb["input_ids"], mb["attention_mask"])
-            loss, metrics = loss_fn(logp, mb, ref_logp)
-            loss.backward()
-            ent_sum += float((entropy * mb["loss_mask"]).sum())
+        sums: dict[str, float] = {"entropy": 0.0, "num_tokens": float(batch["loss_mask"].sum())}
+        maxes: dict[str, float] = {}
+        last = math.ceil(batch["input_ids"].shape[0] / self.config.micro_batch_size) - 1
+        for i, (_, mb) in enumerate(self._micro_batches(batch)):
+            with grad_sync(self.train_model, enabled=i == last):
+                logp, entropy = token_logprobs_and_entropy(self.train_model, mb["input_ids"], mb["attention_mask"], with_entropy=True)
+                ref_logp = None
+                if self.ref is not None:
+                    with torch.no_grad():
+                        ref_logp, _ = token_logprobs_and_entropy(self.ref, mb["input_ids"], mb["attention_mask"])
+                loss, metrics = loss_fn(logp, mb, ref_logp)
+                loss.backward()
+            sums["entropy"] += float((entropy * mb["loss_mask"]).sum())
             for k, v in metrics.items():  # "*_max" metrics reduce by max, the rest by sum
-                sums[k] = max(sums.get(k, 0.0), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+                if k.endswith("_max"):
+                    maxes[k] = max(maxes.get(k, 0.0), float(v))
+                else:
+                    sums[k] = sums.get(k, 0.0) + float(v)
+        sums, maxes = reduce_metrics(sums, maxes, self.device)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         self.opt.step()
-        out = dict(sums)  # the loss function's metrics are already batch-normalised sums
-        out["entropy"] = ent_sum / max(ntok, 1.0)
-        out["grad_norm"] = float(grad_norm)
+        ntok = sums.pop("num_tokens")
+        out = {**sums, **maxes}  # the loss function's metrics are already batch-normalised sums
+        out["entropy"] = sums["entropy"] / max(ntok, 1.0)
+        out["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         out["step_time_s"] = time.time() - t0
         return out
 
-    def state_dict_for_refit(self) -> dict[str, torch.Tensor]:
-        """Hugging Face-named CPU tensors in the policy's dtype."""
-        return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
+    def state_dict_for_refit(self) -> dict[str, torch.Tensor] | None:
+        """The whole Hugging Face-named state dict, CPU tensors in the policy's dtype (rank 0; None elsewhere)."""
+        whole = state.as_dict(state.full_state_items(self.model))
+        return whole if self.rank == 0 else None
+
+    def state_dict_buckets(self, max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The same tensors in dicts of at most ``max_bytes``, one at a time (rank 0 yields; the others only gather)."""
+        yield from state.bucketed(state.full_state_items(self.model), max_bytes)
 
     def save_checkpoint(self, path: str) -> None:
-        """Write model + optimizer into ``path`` (a fresh folder chosen by the caller)."""
-        p = Path(path)
-        p.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(p / "model", safe_serialization=True)
-        torch.save({"optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state()}, p / "optimizer.pt")
+        """Write model + optimizer into ``path`` (a fresh folder chosen by the caller), whatever the worker count."""
+        state.save(self.model, self.opt, path)
 
     def load_checkpoint(self, path: str) -> None:
-        from safetensors.torch import load_file
-
-        p = Path(path)
-        state = {}
-        for f in sorted((p / "model").glob("*.safetensors")):
-            state.update(load_file(str(f)))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        if set(missing) - tied or unexpected:
-            raise RuntimeError(f"checkpoint {p} does not match the policy: missing {missing}, unexpected {unexpected}")
-        extra = torch.load(p / "optimizer.pt", weights_only=False)
-        self.opt.load_state_dict(extra["optimizer"])
-        torch.set_rng_state(extra["torch_rng"])
-
-
-class RayPolicy:
-    """The single-actor policy group used on CPU (and on one GPU)."""
-
-    def __init__(self, model_path: str, num_gpus: float = 0, **kwargs):
-        import ray
-
-        self.actor = ray.remote(PolicyWorker).options(num_cpus=0, num_gpus=num_gpus).remote(model_path, **kwargs)
-
-    def train_step(self, batch, loss_fn) -> dict[str, float]:
-        import ray
-
-        return ray.get(self.actor.train_step.remote(batch, loss_fn))
-
-    def get_logprobs(self, batch) -> torch.Tensor:
-        import ray
-
-        return ray.get(self.actor.get_logprobs.remote(batch))
-
-    def state_dict_for_refit(self):
-        """An ObjectRef to the state dict: engines fetch it straight from Ray's object store."""
-        return self.actor.state_dict_for_refit.remote()
-
-    def save_checkpoint(self, path: str) -> None:
-        import ray
-
-        ray.get(self.actor.save_checkpoint.remote(path))
-
-    def load_checkpoint(self, path: str) -> None:
-        import ray
-
-        ray.get(self.actor.load_checkpoint.remote(path))
-
-    def shutdown(self) -> None:
-        import ray
-
-        ray.kill(self.actor, no_restart=True)
+        state.load(self.model, self.opt, path)

@@ -35,8 +35,9 @@ until then the lookup is the configured one.
 **How it explores.** At a step in bucket j it may hold another k in that
 bucket for ``explore_steps`` steps (a burst), chosen uniformly at random.
 Bursts start with probability ``explore / explore_steps`` per step, so about
-``explore`` of the steps explore. Until the cost model is ready it warms up:
-every step belongs to a burst of the k it has seen least, over every bucket
+``explore`` of the steps explore. Until the cost model is ready it warms up
+(unless ``explore`` is 0): every step belongs to a burst of the k it has seen
+least, over every bucket
 (the batch shrinks too fast through a call for one bucket to hold it). A switch from k=0 costs one drafter catch-up, which is why
 exploration comes in bursts.
 """
@@ -50,7 +51,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WARMUP_EXPLORE = 1.0  # the fraction of steps that explore until the cost model is ready
 REFIT_EVERY = 8  # observations between refits of the cost model
 CLIP = 4.0  # an observed step time is clipped to [predicted / CLIP, predicted * CLIP] (descheduled steps)
 
@@ -289,10 +289,10 @@ class Controller:
     # ---- acting ------------------------------------------------------------------------
     def _explore(self, j: int) -> None:
         """Maybe start a burst of another k in bucket j."""
-        ready = self.cost.ready(self.cap)
-        explore = self.settings.explore
-        rate = (explore if ready or explore == 0 else max(explore, WARMUP_EXPLORE)) / max(self.settings.explore_steps, 1)
-        if self.cap == 0 or self.rng.random() >= rate:
+        ready, explore = self.cost.ready(self.cap), self.settings.explore
+        if self.cap == 0 or explore == 0:
+            return
+        if ready and self.rng.random() >= explore / max(self.settings.explore_steps, 1):
             return
         others = [k for k in range(self.cap + 1) if k != self.choice[j]]
         if not others:

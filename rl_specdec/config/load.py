@@ -1,0 +1,217 @@
+"""Loading a run config: OmegaConf YAML, overrides, the typed schema, checks, model and dtype resolution.
+
+``load_config(path, overrides)`` does, in order:
+
+1. reads the YAML (and, recursively, the files named in its ``defaults:`` list,
+   relative to it; later files override earlier ones, the file itself last);
+2. applies command-line ``key=value`` overrides (any key, ``null`` allowed);
+3. merges onto the typed schema below, so an unknown key or a wrong type fails
+   with the key's full name and the closest valid names;
+4. checks values (ranges, combinations) and the speculative config against
+   vLLM's own declarations (:mod:`rl_specdec.generation.spec_config`);
+5. resolves model names: ``toy:policy`` / ``toy:drafter`` are the embedded toy
+   models (built and cached the first time), a local-looking path must exist;
+6. resolves ``device: auto`` and ``dtype: auto`` once, for the trainer and the
+   engines together (:func:`resolve_device_and_dtype`; on a cluster whose head
+   has no GPU but whose workers do, set ``policy.device=cuda``).
+
+Everything happens before any Ray actor starts, so a bad config costs seconds.
+``${...}`` interpolation works as in any OmegaConf file.
+"""
+
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from rl_specdec.config import checks
+from rl_specdec.config.checks import validate
+from rl_specdec.config.schema import TOY_MODELS, TOY_PREFIX, PolicyConfig, RunConfig
+from rl_specdec.errors import ConfigError
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: 'defaults' forms a cycle through {[str(p) for p in seen]}")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass an existing YAML, e.g. --config configs/grpo_spec.yaml")
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as e:  # yaml errors come in several types
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    defaults = cfg.pop("defaults", None) or []
+    if isinstance(defaults, str):
+        defaults = [defaults]
+    merged = OmegaConf.create()
+    for base in defaults:
+        merged = OmegaConf.merge(merged, _read_yaml(path.parent / str(base), seen + (path,)))
+    _apply_replace_markers(merged, cfg)
+    return OmegaConf.merge(merged, cfg)
+
+
+def _apply_replace_markers(base: DictConfig, child: DictConfig, prefix: str = "") -> None:
+    """A mapping with ``_replace_: true`` replaces the inherited one instead of merging into it."""
+    for k in list(child.keys()):
+        node = child._get_node(k)
+        if isinstance(node, DictConfig):
+            if node.get("_replace_", False):
+                del node["_replace_"]
+                if k in base:
+                    base[k] = None
+            elif isinstance(base.get(k), DictConfig):
+                _apply_replace_markers(base[k], node, f"{prefix}{k}.")
+
+
+def _all_keys(node, prefix="") -> list[str]:
+    out = []
+    if isinstance(node, DictConfig):
+        for k in node.keys():
+            full = f"{prefix}{k}"
+            out.append(full)
+            try:
+                out += _all_keys(node._get_node(k), full + ".")
+            except Exception:
+                pass
+    return out
+
+
+def _wrap_omegaconf_error(e: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
+    key = getattr(e, "full_key", None) or ""
+    if isinstance(e, ConfigKeyError) or "not in" in str(e):
+        valid = _all_keys(schema)
+        close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        return ConfigError(f"unknown config key '{key}'.{hint} Remove it or fix its name (see docs/grpo.md for every key).")
+    if isinstance(e, ValidationError):
+        return ConfigError(f"config key '{key}' has a value of the wrong type: {str(e).splitlines()[0]}")
+    return ConfigError(f"config key '{key}': {e}")
+
+
+def parse_overrides(overrides: list[str]) -> DictConfig:
+    for o in overrides:
+        if "=" not in o or o.startswith("="):
+            raise ConfigError(f"override {o!r} is not of the form key=value (e.g. grpo.max_steps=5)")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"could not parse overrides {overrides}: {e}") from e
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, *, resolve_models: bool = True) -> RunConfig:
+    """Load, merge, type-check, validate and resolve a run config. See module doc."""
+    schema = OmegaConf.structured(RunConfig)
+    raw = _read_yaml(Path(path)) if path else OmegaConf.create()
+    raw = OmegaConf.merge(raw, parse_overrides(overrides or []))
+    try:
+        merged = OmegaConf.merge(schema, raw)
+        OmegaConf.resolve(merged)
+        cfg: RunConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise _wrap_omegaconf_error(e, schema) from e
+    validate(cfg)
+    resolve_device_and_dtype(cfg.policy)
+    if resolve_models:
+        resolve_model_paths(cfg)
+    return cfg
+
+
+# ---- validation -----------------------------------------------------------------
+
+
+def _resolve_one(name: str, key: str, toy_paths) -> str:
+    if name.startswith(TOY_PREFIX):
+        which = name[len(TOY_PREFIX):]
+        if which not in TOY_MODELS:
+            raise ConfigError(f"{key}={name!r}: the embedded models are {', '.join('toy:' + m for m in TOY_MODELS)}")
+        return str(getattr(toy_paths(), TOY_MODELS[which]))
+    looks_local = name.startswith(("/", "./", "../", "~")) or os.path.exists(name)
+    if looks_local and not Path(os.path.expanduser(name)).is_dir():
+        raise ConfigError(f"{key}={name!r} is not a directory; give a local Hugging Face model folder or a hub id")
+    return os.path.expanduser(name) if looks_local else name
+
+
+def resolve_model_paths(cfg: RunConfig) -> None:
+    """Replace toy:* names with built folders and check local paths; then validate vllm_kwargs."""
+    from rl_specdec.generation.spec_config import validate_vllm_kwargs
+
+    cache: dict[str, Any] = {}
+
+    def toy_paths():
+        if "m" not in cache:
+            from rl_specdec.toy.build import build_toy_models
+
+            cache["m"] = build_toy_models()
+        return cache["m"]
+
+    cfg.policy.model_name = _resolve_one(cfg.policy.model_name, "policy.model_name", toy_paths)
+    kw = cfg.policy.generation.vllm_kwargs
+    spec = kw.get("speculative_config")
+    if spec and spec.get("model"):
+        spec["model"] = _resolve_one(spec["model"], "policy.generation.vllm_kwargs.speculative_config.model", toy_paths)
+    if "dtype" not in kw or kw["dtype"] in (None, "auto"):
+        # The engine samples in the trainer's precision, so generation and training log-probs agree.
+        kw["dtype"] = cfg.policy.dtype
+    cfg.policy.generation.vllm_kwargs = validate_vllm_kwargs(kw, cfg.policy.model_name, training=True)
+
+
+def resolve_device_and_dtype(p: PolicyConfig, cuda_available: bool | None = None) -> None:
+    """Replace 'auto' once, at load: device cuda where the loading process sees CUDA, else cpu;
+    dtype bfloat16 on cuda, float32 on cpu. Workers and engines use what this leaves.
+
+    On a Ray cluster whose head has no GPU but whose workers do, set ``policy.device=cuda``.
+    """
+    if p.device == "auto":
+        p.device = "cuda" if (checks.cuda_available() if cuda_available is None else cuda_available) else "cpu"
+    if p.dtype == "auto":
+        p.dtype = "bfloat16" if p.device == "cuda" else "float32"
+
+
+def check_cluster_resources(cfg: RunConfig, resources: dict[str, float]) -> None:
+    """Fail before any actor starts if the run asks for more GPUs or CPUs than the Ray cluster has.
+
+    ``resources`` is ``ray.cluster_resources()``. Engines count as the engine
+    group reserves them (generation/placement.py ``reserve_engine_bundles``):
+    ``tensor_parallel_size`` GPUs + 1 CPU each on a GPU cluster, ``cpus_per_engine``
+    CPUs each otherwise. Policy workers reserve ``gpus_per_worker`` (with
+    device=cuda) and ``cpus_per_worker`` each.
+    """
+    p, gen = cfg.policy, cfg.policy.generation
+    have_gpu, have_cpu = float(resources.get("GPU", 0)), float(resources.get("CPU", 0))
+    if p.device == "cuda" and have_gpu == 0:
+        raise ConfigError(f"policy.device=cuda but the Ray cluster has no GPU (resources: CPU {have_cpu:g}); set policy.device=cpu or join a GPU cluster")
+    tp = int(gen.vllm_kwargs.get("tensor_parallel_size") or 1)
+    engine_gpu = gen.num_engines * tp if have_gpu > 0 else 0
+    engine_cpu = gen.num_engines * (1 if have_gpu > 0 else gen.cpus_per_engine)
+    policy_gpu = p.num_workers * p.gpus_per_worker if p.device == "cuda" else 0.0
+    policy_cpu = p.num_workers * p.cpus_per_worker
+    per_engine_cpu = "1 per GPU engine" if have_gpu > 0 else "cpus_per_engine"
+    for what, have, pol, eng, pol_how, eng_how, fix in (
+        ("GPUs", have_gpu, policy_gpu, engine_gpu,
+         f"{p.num_workers} x {p.gpus_per_worker:g} (policy.num_workers x policy.gpus_per_worker)",
+         f"{gen.num_engines} x {tp} (policy.generation.num_engines x tensor_parallel_size)",
+         "policy.gpus_per_worker=0 shares the engines' GPUs"),
+        ("CPUs", have_cpu, policy_cpu, engine_cpu,
+         f"{p.num_workers} x {p.cpus_per_worker:g} (policy.num_workers x policy.cpus_per_worker)",
+         f"{gen.num_engines} x {engine_cpu // max(gen.num_engines, 1)} (policy.generation.num_engines x {per_engine_cpu})",
+         "policy.cpus_per_worker=0 reserves none"),
+    ):
+        if pol + eng > have:
+            raise ConfigError(
+                f"the run asks for {pol + eng:g} {what} but the Ray cluster has {have:g}: policy {pol_how} = {pol:g}, "
+                f"engines {eng_how} = {eng:g}. Lower these ({fix}), or add nodes to the cluster."
+            )
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
