@@ -17,7 +17,7 @@ def test_every_shipped_config_validates():
         toy = path.name.startswith("grpo_")
         cfg = load_config(path, resolve_models=toy)
         spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
-        if path.name == "grpo_base.yaml":
+        if path.name.startswith("grpo_base"):
             assert spec is None
         else:
             assert spec["num_speculative_tokens"] >= 1
@@ -158,6 +158,14 @@ def test_bad_values_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(SPEC, overrides)
     assert needle in str(e.value)
+
+
+def test_speculation_control_off_survives_yaml():
+    """`mode: off` is a YAML 1.1 boolean; it must still mean off (from a file and from the command line)."""
+    base = ROOT / "configs/grpo_base_longtail.yaml"
+    assert load_config(base, resolve_models=False).policy.generation.speculation_control.mode == "off"
+    cfg = load_config(SPEC, ["policy.generation.speculation_control.mode=off"], resolve_models=False)
+    assert cfg.policy.generation.speculation_control.mode == "off"
 
 
 def test_bad_files(tmp_path):

@@ -28,6 +28,7 @@ import os
 from typing import Any
 
 from rl_specdec.generation.engine.control import SpecControlExtension
+from rl_specdec.generation.engine.lazy import lazy_classes
 
 EXTENSION = f"{__name__}.RlSpecdecExtension"
 EXECUTOR_NAME = "CpuFixedUniProcExecutor"
@@ -202,18 +203,11 @@ def _make_executor_class():
             apply_cpu_spec_decode_fixes()
             super()._init_executor()
 
-    CpuFixedUniProcExecutor.__module__ = __name__
-    CpuFixedUniProcExecutor.__qualname__ = EXECUTOR_NAME
     return CpuFixedUniProcExecutor
 
 
-def __getattr__(name: str):
-    # pickle finds the executor class by this module attribute, in the engine-core process too
-    if name == EXECUTOR_NAME:
-        cls = _make_executor_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# pickle finds the executor class by this module attribute, in the engine-core process too
+__getattr__ = lazy_classes(__name__, globals(), {EXECUTOR_NAME: _make_executor_class})
 
 
 def cpu_fixed_executor():

@@ -104,6 +104,8 @@ def _check_engine(gen: GenerationConfig) -> None:
 def validate(gen: GenerationConfig) -> None:
     """Load-time checks of ``speculation_control``."""
     c = gen.speculation_control
+    if str(c.mode).lower() == "false":  # YAML 1.1 reads a bare `off` as false
+        c.mode = "off"
     if c.mode not in MODES:
         raise ConfigError(f"{KEY}.mode={c.mode!r} must be one of {', '.join(MODES)}.")
     if c.mode == "off":

@@ -27,7 +27,7 @@ def control_metrics(reports: Iterable[dict[str, Any]]) -> dict[str, float]:
         if all(key in r for r in reports):
             out[f"spec_decode/{key}"] = float(sum(r[key] for r in reports))
     steps = sum(r.get("steps", 0) for r in reports)
-    decode = sum(r.get("decode_steps", 0) for r in reports)
+    decode = sum(r.get("timed_steps", 0) for r in reports)
     out["spec_decode/plain_step_fraction"] = sum(r.get("plain_steps", 0) for r in reports) / steps if steps else 0.0
     out["spec_decode/explore_fraction"] = sum(r.get("explore_steps", 0) for r in reports) / decode if decode else 0.0
     out["spec_decode/catch_up_tokens"] = float(sum(r.get("catch_up_tokens", 0) for r in reports))

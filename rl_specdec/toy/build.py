@@ -29,8 +29,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
-BUILD_VERSION = 3  # bump when the build procedure changes
+BUILD_VERSION = 4  # bump when the build procedure changes (4: the SFT draws from the training split only)
 
 PAD, EOS = "<pad>", "<eos>"
 CHARS = list("0123456789=")
@@ -47,10 +48,11 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class ToyBuildConfig:
+class PairBuildConfig:
+    """What a toy policy/drafter pair's build depends on; :meth:`key` (its hash) names the cache folder."""
+
+    version: ClassVar[int] = 0  # bump in a subclass when its build changes without a field changing
     seed: int = 0
-    min_len: int = 4
-    max_len: int = 24
     policy: ModelShape = ModelShape(256, 4, 8, 768)
     drafter: ModelShape = ModelShape(128, 2, 4, 384)
     policy_steps: int = 120
@@ -59,8 +61,15 @@ class ToyBuildConfig:
     lr: float = 2e-3
 
     def key(self) -> str:
-        blob = json.dumps({"v": BUILD_VERSION, **asdict(self)}, sort_keys=True)
+        blob = json.dumps({"v": self.version, **asdict(self)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class ToyBuildConfig(PairBuildConfig):
+    version: ClassVar[int] = BUILD_VERSION
+    min_len: int = 4
+    max_len: int = 24
 
 
 @dataclass
@@ -95,42 +104,35 @@ def build_tokenizer():
     )
 
 
-def _qwen2_config(shape: ModelShape):
+def qwen2_config(
+    shape: ModelShape, vocab_size: int = MODEL_VOCAB_SIZE, eos_id: int = VOCAB.index(EOS), pad_id: int = VOCAB.index(PAD), max_positions: int = 128
+):
+    """A small Qwen2 config (head_dim 32: vLLM's CPU attention rejects 16; 128 positions unless told)."""
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        vocab_size=MODEL_VOCAB_SIZE,
+        vocab_size=vocab_size,
         hidden_size=shape.hidden_size,
         num_hidden_layers=shape.num_hidden_layers,
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_attention_heads,
         head_dim=shape.hidden_size // shape.num_attention_heads,
         intermediate_size=shape.intermediate_size,
-        max_position_embeddings=128,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=None,
-        eos_token_id=VOCAB.index(EOS),
-        pad_token_id=VOCAB.index(PAD),
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
         torch_dtype="float32",
     )
 
 
-def _sft_batch(rng: random.Random, cfg: ToyBuildConfig, tokenizer):
-    """Token ids [B, T], a loss mask on response tokens [B, T], padded right."""
+def pad_batch(seqs: list[list[int]], masks: list[list[int]], pad_id: int):
+    """Token ids [B, T] and loss masks [B, T], right-padded with ``pad_id`` / 0."""
     import torch
 
-    from rl_specdec.environments.sorting import SortingTask
-
-    task = SortingTask(cfg.min_len, cfg.max_len)
-    seqs, masks = [], []
-    for _ in range(cfg.batch_size):
-        s = task.sample_problem(rng)
-        p = tokenizer.encode(s.prompt)
-        r = tokenizer.encode(s.answer) + [tokenizer.eos_token_id]
-        seqs.append(p + r)
-        masks.append([0] * len(p) + [1] * len(r))
     t = max(map(len, seqs))
-    ids = torch.full((len(seqs), t), tokenizer.pad_token_id)
+    ids = torch.full((len(seqs), t), pad_id)
     mask = torch.zeros((len(seqs), t))
     for i, (s, m) in enumerate(zip(seqs, masks)):
         ids[i, : len(s)] = torch.tensor(s)
@@ -138,18 +140,35 @@ def _sft_batch(rng: random.Random, cfg: ToyBuildConfig, tokenizer):
     return ids, mask
 
 
-def _train(model, cfg: ToyBuildConfig, tokenizer, steps: int, seed: int, teacher=None, log=print):
-    """SFT (teacher=None) or distillation from ``teacher`` on sorting data."""
+def _sft_batch(rng: random.Random, cfg: ToyBuildConfig, tokenizer):
+    """Token ids [B, T], a loss mask on response tokens [B, T], padded right."""
+    from rl_specdec.environments.sorting import SortingTask
+
+    task = SortingTask(cfg.min_len, cfg.max_len)
+    seqs, masks = [], []
+    for _ in range(cfg.batch_size):
+        s = task.draw(rng)  # the training split: the SFT never sees a validation problem
+        p = tokenizer.encode(s.prompt)
+        r = tokenizer.encode(s.answer) + [tokenizer.eos_token_id]
+        seqs.append(p + r)
+        masks.append([0] * len(p) + [1] * len(r))
+    return pad_batch(seqs, masks, tokenizer.pad_token_id)
+
+
+def train_lm(model, batches, pad_id: int, lr: float, steps: int, seed: int, teacher=None, log=print):
+    """SFT (teacher=None) or distillation from ``teacher``; ``batches(rng)`` gives (ids [B, T], loss mask [B, T])."""
     import torch
     import torch.nn.functional as F
 
+    if steps == 0:  # an untrained model (random weights)
+        return model.eval()
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps, pct_start=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     model.train()
     for step in range(steps):
-        ids, mask = _sft_batch(rng, cfg, tokenizer)  # [B, T], [B, T]
-        attn = (ids != tokenizer.pad_token_id) | (mask > 0)
+        ids, mask = batches(rng)  # [B, T], [B, T]
+        attn = (ids != pad_id) | (mask > 0)
         logits = model(input_ids=ids, attention_mask=attn.long()).logits[:, :-1]  # [B, T-1, V]
         m = mask[:, 1:]  # predict token t+1 from the prefix up to t
         if teacher is None:
@@ -179,24 +198,36 @@ def build_toy_models(cfg: ToyBuildConfig | None = None, root: Path | None = None
     out = ToyModels(root)
     if (root / "DONE").exists():
         return out
+    tokenizer = build_tokenizer()
+    log(f"[toy] building the toy policy and drafter into {root} (first run only, ~2 min)")
+    build_pair(root, cfg, tokenizer, lambda rng: _sft_batch(rng, cfg, tokenizer), log)
+    return out
 
+
+def build_pair(root: Path, cfg: PairBuildConfig, tokenizer, batches, log=print, model_config=None, check=None) -> None:
+    """Train a policy (SFT) and a drafter (distilled from it) on ``batches(rng)`` and save both into ``root``.
+
+    ``cfg`` gives the shapes, steps, learning rate and seed; it is saved as ``build.json``.
+    ``model_config(shape)`` gives each model's Qwen2 config (default: the digit toy's
+    vocabulary). The folder is written under a temporary name and renamed into place;
+    ``check(folder)`` runs on each saved model folder before that.
+    """
     import torch
     from transformers import Qwen2ForCausalLM
 
+    model_config = model_config or qwen2_config
     t0 = time.time()
-    log(f"[toy] building the toy policy and drafter into {root} (first run only, ~2 min)")
     torch.manual_seed(cfg.seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
-        tokenizer = build_tokenizer()
-        policy = Qwen2ForCausalLM(_qwen2_config(cfg.policy))
+        policy = Qwen2ForCausalLM(model_config(cfg.policy))
         log(f"[toy] policy: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M parameters, SFT")
-        _train(policy, cfg, tokenizer, cfg.policy_steps, cfg.seed, log=log)
+        train_lm(policy, batches, tokenizer.pad_token_id, cfg.lr, cfg.policy_steps, cfg.seed, log=log)
         torch.manual_seed(cfg.seed + 1)
-        drafter = Qwen2ForCausalLM(_qwen2_config(cfg.drafter))
+        drafter = Qwen2ForCausalLM(model_config(cfg.drafter))
         log(f"[toy] drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, distilled")
-        _train(drafter, cfg, tokenizer, cfg.drafter_steps, cfg.seed + 1, teacher=policy, log=log)
+        train_lm(drafter, batches, tokenizer.pad_token_id, cfg.lr, cfg.drafter_steps, cfg.seed + 1, teacher=policy, log=log)
     finally:
         torch.set_num_threads(threads)
 
@@ -206,6 +237,8 @@ def build_toy_models(cfg: ToyBuildConfig | None = None, root: Path | None = None
         for name, model in (("policy", policy), ("drafter", drafter)):
             model.save_pretrained(tmp / name, safe_serialization=True)
             tokenizer.save_pretrained(tmp / name)
+            if check is not None:
+                check(tmp / name)
         (tmp / "build.json").write_text(json.dumps(asdict(cfg), indent=2))
         (tmp / "DONE").write_text(f"{time.time() - t0:.1f}s\n")
         try:
@@ -216,7 +249,6 @@ def build_toy_models(cfg: ToyBuildConfig | None = None, root: Path | None = None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"[toy] built in {time.time() - t0:.0f}s")
-    return out
 
 
 def build_untrained_drafter(models: ToyModels, seed: int = 12345) -> Path:

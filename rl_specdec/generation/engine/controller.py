@@ -10,27 +10,37 @@ engine step and answers with the scheduler's batch-size -> k lookup.
   step (k verified, k drafted) forgets over its own last ``memory_steps``
   steps::
 
-      t = a + c_b b + c_C C + [k_v>0](s + s_b b) + k_v (v_b b + v_C C)
-            + [k_n>0](d + d_b b) + k_n (e + e_b b + e_C C)
+      t = a + c_b b + c_C C + c_P P + [k_v>0](s + s_b b) + k_v (v_b b + v_C C)
+            + [k_n>0](d + d_b b + d_P P) + k_n (e + e_b b + e_C C)
 
-  with b the scheduled requests, C their context tokens, k_v the drafts
-  verified per request in this step and k_n the drafts made for the next
-  (the target verifies k_v+1 tokens per request; the drafter runs k_n passes).
-  Transition steps (k_v != k_n) are as informative as steady ones, so a few
-  explored values of k price every k at every batch size; predicted times
-  are made non-decreasing in k. Steps with a prefill chunk, a drafter
+  with b the scheduled requests, C their context tokens, P the prompt tokens
+  prefilled in the step beyond one per request (new requests join a running
+  batch all through a GRPO step; the drafter prefills them too when it
+  drafts), k_v the drafts verified per request in this step and k_n the
+  drafts made for the next (the target verifies k_v+1 tokens per request; the
+  drafter runs k_n passes). Transition steps (k_v != k_n) are as informative
+  as steady ones, so a few explored values of k price every k at every batch
+  size; predicted times are made non-decreasing in k. Steps with a drafter
   catch-up or an idle gap before them are left out.
 * *Acceptance*: P_i, the chance that the first i drafts are all accepted, from
   the per-position counts of every verify step (forgetting over
   ``acceptance_memory`` drafts, so a drafter refit every step is followed).
   E[L(k)] = 1 + P_1 + ... + P_k tokens per request per step.
 
-**What it decides.** For bucket j (representative batch b_j and context C_j,
-running means of the steps seen there) it picks
-``argmax_k b_j E[L(k)] / t(b_j, C_j, k, k)`` over k in 0..cap, keeping the
-current k unless another is predicted ``min_gain`` better. Decisions start
-once the cost model has seen k=0 and two values of k>0 (one if cap is 1);
-until then the lookup is the configured one.
+**What it decides.** For bucket j (representative batch b_j, context C_j and
+prefill P_j, running means of the steps seen there) it rates each k by the
+tokens per second measured directly in that bucket over its recent steady
+steps (k verified = k drafted; their mean batch over their mean time, times
+E[L(k)] from the acceptance of now), shrunk towards the model's rate
+``b_j E[L(k)] / t(b_j, C_j, P_j, k, k)`` (scaled by what k=0 measured there
+against what the model predicts for it) as if the model were
+``PRIOR_STEPS`` steps. The model fills in the k a bucket has not run; the
+measurements correct it where it does not fit. It picks the
+best k in 0..cap, but k=0
+unless the best k is predicted ``min_gain`` better than k=0 (speculation has
+to pay by a margin), and keeps the current k>0 unless another is predicted
+``min_gain`` better. Decisions start once the cost model has seen k=0 and two
+values of k>0 (one if cap is 1); until then the lookup is the warm-up's.
 
 **How it explores.** At a step in bucket j it may hold another k in that
 bucket for ``explore_steps`` steps (a burst), chosen uniformly at random.
@@ -52,6 +62,9 @@ from dataclasses import dataclass
 import numpy as np
 
 REFIT_EVERY = 8  # observations between refits of the cost model
+MEASURED_DECAY = 0.95  # per steady step of a (bucket, k): direct measurements forget over ~20 steps
+MIN_MEASURED = 3.0  # steady k=0 steps of a bucket before they calibrate the model there
+PRIOR_STEPS = 4.0  # a measured rate is shrunk towards the model's as if the model were this many steps
 CLIP = 4.0  # an observed step time is clipped to [predicted / CLIP, predicted * CLIP] (descheduled steps)
 
 
@@ -64,7 +77,7 @@ class ControlSettings:
     explore_steps: int = 4
     memory_steps: int = 200
     acceptance_memory: int = 2000
-    min_gain: float = 0.01
+    min_gain: float = 0.03
     seed: int = 0
 
 
@@ -87,11 +100,13 @@ def ks_of(ranges: list[tuple[int, int]], lookup: list[int]) -> list[float]:
     return [sum(lookup[lo : hi + 1]) / (hi - lo + 1) for lo, hi in ranges]
 
 
-def features(b: float, ctx: float, kv: float, kn: float) -> np.ndarray:
-    """The cost model's features of a step (b requests, ctx context tokens, kv drafts verified and kn drafted per request)."""
-    B, C = b / 64.0, ctx / 16384.0
+def features(b: float, ctx: float, kv: float, kn: float, pre: float = 0.0) -> np.ndarray:
+    """The cost model's features of a step: b requests, ctx context tokens, kv drafts verified and kn
+    drafted per request, pre prompt tokens prefilled beyond one per request (the target's, and the
+    drafter's too when it drafts)."""
+    B, C, P = b / 64.0, ctx / 16384.0, pre / 1024.0
     sv, sn = float(kv > 0), float(kn > 0)
-    return np.array([1.0, B, C, sv, sv * B, kv * B, kv * C, sn, sn * B, kn, kn * B, kn * C])
+    return np.array([1.0, B, C, P, sv, sv * B, kv * B, kv * C, sn, sn * B, sn * P, kn, kn * B, kn * C])
 
 
 class CostModel:
@@ -190,7 +205,7 @@ class Tally:
 
     def add(self, rec, predicted: tuple[float, float] | None, exploring: bool) -> None:
         self.catch_up += rec.catch_up
-        if rec.period_s is None or not rec.decode_only or rec.catch_up:
+        if rec.period_s is None or rec.catch_up:
             return
         self.steps += 1
         self.explored += int(exploring)
@@ -201,7 +216,7 @@ class Tally:
                 self.pred[i] += v
 
     def report(self) -> dict:
-        out = {"decode_steps": self.steps, "explore_steps": self.explored, "catch_up_tokens": self.catch_up}
+        out = {"timed_steps": self.steps, "explore_steps": self.explored, "catch_up_tokens": self.catch_up}
         if self.pred[1] > 0 and self.pred[3] > 0:
             out["predicted_tokens_per_s"] = self.pred[0] / self.pred[1]
             out["realised_tokens_per_s"] = self.pred[2] / self.pred[3]
@@ -222,6 +237,8 @@ class Controller:
         self.cost, self.acc = CostModel(s.memory_steps), AcceptanceModel(s.k_max, s.acceptance_memory)
         self.b_mean = [math.sqrt(lo * hi) for lo, hi in self.ranges]
         self.ctx_per_req = [64.0] * len(self.ranges)
+        self.pre_per_step = [0.0] * len(self.ranges)
+        self.measured: dict[tuple[int, int], list[float]] = {}  # (bucket, k) -> decayed [requests, seconds, steps]
         self.burst: list | None = None  # [bucket (None: every bucket), k, steps left]
         self.rng = random.Random(s.seed)
         self.tally = Tally()
@@ -237,14 +254,16 @@ class Controller:
         if rec.drafted_pp:
             self.acc.observe(rec.drafted_pp, rec.accepted_pp)
         exploring = self.burst is not None
-        if rec.b <= 0 or rec.period_s is None or not rec.decode_only or rec.catch_up:
+        if rec.b <= 0 or rec.period_s is None or rec.catch_up:
             self.tally.add(rec, None, exploring)
             return
         j = self.bucket(rec.b)
+        pre = max(rec.tokens - rec.b - rec.drafts, 0)
         self.b_mean[j] += 0.05 * (rec.b - self.b_mean[j])
         self.ctx_per_req[j] += 0.05 * (rec.ctx / rec.b - self.ctx_per_req[j])
+        self.pre_per_step[j] += 0.05 * (pre - self.pre_per_step[j])
         kv = rec.drafts / rec.b
-        x = features(rec.b, rec.ctx, kv, rec.k_next)
+        x = features(rec.b, rec.ctx, kv, rec.k_next, pre)
         t, predicted = rec.period_s, None
         if self.cost.ready(self.cap):
             t_hat = self.cost.predict(x)
@@ -253,6 +272,10 @@ class Controller:
                 predicted = (rec.b * self.acc.expected_length(round(kv)), t_hat)
         self.tally.add(rec, predicted, exploring)
         self.cost.observe(x, t, rec.k_next, kv)
+        if round(kv) == rec.k_next:  # a steady step: a direct measurement of bucket j at this k
+            cell = self.measured.setdefault((j, rec.k_next), [0.0, 0.0, 0.0])
+            for i, v in enumerate((rec.b, t, 1.0)):
+                cell[i] = cell[i] * MEASURED_DECAY + v
         self._since_fit += 1
 
     def predicted_rates(self, j: int) -> list[float] | None:
@@ -262,13 +285,21 @@ class Controller:
         non-decreasing in k (a rarely seen k cannot look cheaper than k=0 by fit noise).
         """
         b = self.b_mean[j]
-        times = [self.cost.predict(features(b, self.ctx_per_req[j] * b, k, k)) for k in range(self.cap + 1)]
+        times = [self.cost.predict(features(b, self.ctx_per_req[j] * b, k, k, self.pre_per_step[j])) for k in range(self.cap + 1)]
         if any(t is None for t in times):
             return None
         times = list(np.maximum.accumulate(times))
         if times[0] <= 0:
             return None
-        return [b * self.acc.expected_length(k) / t for k, t in enumerate(times)]
+        rates = [b * self.acc.expected_length(k) / t for k, t in enumerate(times)]
+        cells = {k: c for (jj, k), c in self.measured.items() if jj == j and k <= self.cap and c[1] > 0}
+        seen = {k: c[0] * self.acc.expected_length(k) / c[1] for k, c in cells.items()}  # priced with the acceptance of now
+        scale = seen[0] / rates[0] if 0 in seen and cells[0][2] >= MIN_MEASURED else 1.0  # the model, calibrated on k=0 here
+        out = []
+        for k, r in enumerate(rates):
+            n = cells[k][2] if k in seen else 0.0
+            out.append((n * seen.get(k, 0.0) + PRIOR_STEPS * r * scale) / (n + PRIOR_STEPS))  # measured, shrunk to the model
+        return out
 
     def decide(self) -> None:
         """Refit the cost model and re-choose every bucket's k."""
@@ -281,8 +312,10 @@ class Controller:
             if rates is None:
                 continue
             best = max(range(len(rates)), key=rates.__getitem__)
+            if rates[best] <= rates[0] * (1.0 + self.settings.min_gain):
+                best = 0  # speculate only where it is predicted to pay by a margin: never lose to k=0
             cur = min(self.choice[j], self.cap)
-            if rates[best] > rates[cur] * (1.0 + self.settings.min_gain):
+            if best == 0 or rates[best] > rates[cur] * (1.0 + self.settings.min_gain):
                 cur = best
             self.choice[j] = cur
 

@@ -79,10 +79,6 @@ class StepRecord:
     runner_s: float = 0.0  # wall time inside execute_model + sample_tokens
     period_s: float | None = None  # wall time from this step's start to the next one's; None: unknown (idle gap)
 
-    @property
-    def decode_only(self) -> bool:
-        return self.tokens == self.b + self.drafts
-
 
 def _starts(so) -> dict[str, int]:
     """num_computed_tokens at the start of this step, per scheduled request."""

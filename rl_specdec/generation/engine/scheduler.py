@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import weakref
 
+from rl_specdec.generation.engine.lazy import lazy_classes
+
 SCHEDULER_NAME = "SettableKScheduler"
 SCHEDULER_QUALNAME = f"{__name__}.{SCHEDULER_NAME}"
 _SCHEDULERS: list[weakref.ref] = []
@@ -53,18 +55,10 @@ def _make_scheduler_cls():
             # one assignment: schedule() reads the list by index, so the swap is atomic between steps
             self.dynamic_sd_lookup = check_lookup(lookup, len(self.dynamic_sd_lookup), self.spec_k_max)
 
-    SettableKScheduler.__module__ = __name__
-    SettableKScheduler.__qualname__ = SCHEDULER_NAME
     return SettableKScheduler
 
 
-def __getattr__(name: str):
-    # vLLM resolves scheduler_cls by qualname: importlib + getattr on this module
-    if name == SCHEDULER_NAME:
-        cls = _make_scheduler_cls()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_classes(__name__, globals(), {SCHEDULER_NAME: _make_scheduler_cls})  # vLLM resolves scheduler_cls by qualname
 
 
 def registered_scheduler():
