@@ -10,7 +10,7 @@ count drafter and rejection-sampler calls made during plain steps.
 so that a vLLM upgrade that changes the private surface it relies on fails
 loudly instead of silently. The worker generates, greedy, the same prompts
 twice: once with k = k_max from the first step (the reference), once with
-k = 0 for the first :data:`PLAIN_STEPS` engine steps and k_max after (plain
+k = 0 for the first k_max + 2 engine steps and k_max after (plain
 steps, then a drafter catch-up). The check fails unless
 
 * the outputs are identical (the worker compares them),
@@ -22,9 +22,8 @@ steps, then a drafter catch-up). The check fails unless
 
 from __future__ import annotations
 
-PLAIN_STEPS = 6
-CHECK_PROMPTS = 4
-CHECK_TOKENS = 24
+CHECK_PROMPTS = 16  # enough verify steps after the plain ones for MIN_COMPARED, also where the model stops early
+CHECK_TOKENS = 64  # long enough for many verify steps after the plain ones
 MIN_AGREEMENT = 0.9
 MIN_COMPARED = 8
 
@@ -123,7 +122,9 @@ class SelfCheck:
         if name == "switch":
             self.reference = h.take_drafts()
             self.set_k(0)
-            h.set_plan([(PLAIN_STEPS, self.k_max)])
+            # k_max + 2 plain steps: where every draft is accepted, verify steps then start at the
+            # reference's positions (1 + m (k_max + 1)), so the first drafts of both runs can be compared
+            h.set_plan([(self.k_max + 2, self.k_max)])
             h.count_plain_calls(True)
             self.stats0 = dict(self.fp.stats)
             return self.prompts
