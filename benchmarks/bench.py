@@ -57,6 +57,7 @@ from rollout import fmt, log
 REPO = Path(__file__).resolve().parent.parent
 
 SPEC = "policy.generation.vllm_kwargs.speculative_config"
+CONTROL = "policy.generation.speculation_control"
 SECTIONS = ("rollout", "grpo", "staleness", "peer")
 
 # name -> (config, overrides). Every variant of the default run differs from
@@ -75,6 +76,21 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         "configs/grpo_spec.yaml",
         [f"{SPEC}.num_speculative_tokens=3", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,3],[17,1024,0]]"],
     ),
+    # run-time k (issue 14): k=0 through the fast path, and the adaptive controller (k in 0..4 per batch-size bucket)
+    "draft k=0 fast path": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,1,3],[2,1024,0]]"]),
+    "draft adaptive": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=adaptive", f"{CONTROL}.k_max=4"]),
+    # the long-tail workload (issue 14): its own baseline, a fixed k, vLLM's static schedule, the controller
+    "longtail base": ("configs/grpo_base_longtail.yaml", []),
+    "longtail k=4": ("configs/grpo_spec_longtail.yaml", [f"{CONTROL}.mode=off"]),
+    "longtail schedule": (
+        "configs/grpo_spec_longtail.yaml",
+        [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=6", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,6],[17,64,3],[65,1024,2]]"],
+    ),
+    "longtail tail-only fast path": (
+        "configs/grpo_spec_longtail.yaml",
+        [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,4],[17,1024,0]]"],
+    ),
+    "longtail adaptive": ("configs/grpo_spec_longtail.yaml", []),
     "ngram k=3": ("configs/grpo_spec.yaml", [f"{SPEC}.method=ngram", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null", f"{SPEC}.prompt_lookup_max=3", f"{SPEC}.prompt_lookup_min=1"]),
     "suffix k=3": ("configs/grpo_spec.yaml", [f"{SPEC}.method=suffix", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null"]),
     "schedule 2x1": (
@@ -184,6 +200,8 @@ def step_stats(rows: list[dict]) -> dict:
     out["drafter_train_s"] = _mean_or_none(rs, "timing/drafter_train")
     for pct in (50, 90, 100):
         out[f"done{pct}_s"] = _mean_or_none(rs, f"generation/time_to_{pct}pct_done")
+    out["len_max_over_median"] = _mean_or_none([{"x": r["generation/response_length_max"] / r["generation/response_length_median"]} for r in rs if r.get("generation/response_length_median")], "x")
+    out["last10_share"] = _mean_or_none([{"x": 1 - r["generation/time_to_90pct_done"] / r["generation/time_to_100pct_done"]} for r in rs if r.get("generation/time_to_100pct_done")], "x")
     return out
 
 
@@ -211,8 +229,8 @@ def pool_train_time(stats: dict[str, dict]) -> None:
     keeps the cost speculation can change (generation) and averages out the one it
     cannot (a control variate).
     """
-    for two in (False, True):
-        group = [n for n in stats if ("2x1" in n) == two and n not in TRAINER_VARIANTS | DRAFTER_VARIANTS]
+    for two, longtail in ((False, False), (True, False), (False, True)):
+        group = [n for n in stats if ("2x1" in n) == two and n.startswith("longtail") == longtail and n not in TRAINER_VARIANTS | DRAFTER_VARIANTS]
         if group:
             pooled = statistics.fmean(stats[n]["train_s"] for n in group)
             for n in group:
@@ -227,11 +245,20 @@ def _mean_or_none(rows: list[dict], key: str):
 
 
 # ---- tables -----------------------------------------------------------------------
+def baseline_of(name: str) -> str:
+    """The variant a variant is compared with: same task, same engine layout, no speculation."""
+    if name.startswith("longtail"):
+        return "longtail base"
+    return "grpo_base 2x1" if "2x1" in name else "grpo_base"
+
+
 def grpo_table(stats: dict[str, dict]) -> str:
-    base = stats.get("grpo_base", {})
-    ratio = lambda s, k: fmt(s[k] / base[k] if base.get(k) else None, "{:.2f}x")  # noqa: E731
+    def ratio(s, k):
+        base = stats.get(baseline_of(s["name"]), stats.get("grpo_base", {}))
+        return fmt(s[k] / base[k] if base.get(k) else None, "{:.2f}x")
+
     lines = [
-        "| variant | speculation | step (s, median) | per seed | vs grpo_base | step, train pooled (s) | vs grpo_base | generation (s) | per seed | generation vs grpo_base | train (s) | samples trained | refit (s) | validation (s) | gen tokens/s | acceptance length | reward first→last 10% |",
+        "| variant | speculation | step (s, median) | per seed | vs base | step, train pooled (s) | vs base | generation (s) | per seed | generation vs base | train (s) | samples trained | refit (s) | validation (s) | gen tokens/s | acceptance length | reward first→last 10% |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     seeds = lambda s, k: ", ".join(f"{x:.2f}" for x in s.get(f"{k}_per_seed", [s[k]]))  # noqa: E731
@@ -255,12 +282,15 @@ def phase_table(stats: dict[str, dict]) -> str:
 
 def tail_table(stats: dict[str, dict]) -> str:
     lines = [
-        "| variant | 50% done (s) | 90% done (s) | 100% done (s) | 100% / 50% | generation phase (s) |",
-        "|---|---|---|---|---|---|",
+        "| variant | 50% done (s) | 90% done (s) | 100% done (s) | 100% / 50% | last 10% of rollouts: share of the phase | longest / median length | generation phase (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in stats.items():
         d50, d90, d100 = s["done50_s"], s["done90_s"], s["done100_s"]
-        lines.append(f"| {name} | {fmt(d50, '{:.2f}')} | {fmt(d90, '{:.2f}')} | {fmt(d100, '{:.2f}')} | {fmt(d100 / d50 if d50 and d100 else None, '{:.1f}x')} | {s['generation_s']:.2f} |")
+        lines.append(
+            f"| {name} | {fmt(d50, '{:.2f}')} | {fmt(d90, '{:.2f}')} | {fmt(d100, '{:.2f}')} | {fmt(d100 / d50 if d50 and d100 else None, '{:.1f}x')} | "
+            f"{fmt(s.get('last10_share'), '{:.0%}')} | {fmt(s.get('len_max_over_median'), '{:.1f}x')} | {s['generation_s']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -294,15 +324,20 @@ def verdict_text(stats: dict[str, dict]) -> str:
     """Each variant against the grpo_base with the same engine layout; the best
     speculative variant; a batch-size schedule against the best fixed k."""
 
-    def base_of(n: str) -> dict:
-        return stats.get("grpo_base 2x1", stats["grpo_base"]) if "2x1" in n else stats["grpo_base"]
+    def base_name(n: str) -> str:
+        return baseline_of(n) if baseline_of(n) in stats else "grpo_base"
 
     def ratio(n: str, k: str = "step_s") -> str:
-        return f"{stats[n][k] / base_of(n)[k]:.2f}x {'grpo_base 2x1' if base_of(n) is not stats['grpo_base'] else 'grpo_base'}"
+        return f"{stats[n][k] / stats[base_name(n)][k]:.2f}x {base_name(n)}"
 
     spec = {n: s for n, s in stats.items() if s.get("speculation", "none") != "none" and n not in TRAINER_VARIANTS}
     out = []
-    for label, group in (("one engine", {n: s for n, s in spec.items() if "2x1" not in n}), ("two engines", {n: s for n, s in spec.items() if "2x1" in n})):
+    groups = (
+        ("one engine", {n: s for n, s in spec.items() if "2x1" not in n and not n.startswith("longtail")}),
+        ("two engines", {n: s for n, s in spec.items() if "2x1" in n}),
+        ("long-tail task", {n: s for n, s in spec.items() if n.startswith("longtail")}),
+    )
+    for label, group in groups:
         if group:
             best = min(group, key=lambda n: group[n]["step_s"])
             out.append(
@@ -310,7 +345,7 @@ def verdict_text(stats: dict[str, dict]) -> str:
                 f"{ratio(best)}; train pooled {group[best]['step_pooled_s']:.2f} s = {ratio(best, 'step_pooled_s')}; "
                 f"generation phase {group[best]['generation_s']:.2f} s = {ratio(best, 'generation_s')}."
             )
-    one = {n: s for n, s in spec.items() if "2x1" not in n and s["speculation"].startswith("draft_model")}
+    one = {n: s for n, s in spec.items() if "2x1" not in n and not n.startswith("longtail") and s["speculation"].startswith("draft_model")}
     sched = {n: s for n, s in one.items() if "k by batch" in s["speculation"]}
     fixed = {n: s for n, s in one.items() if "k by batch" not in s["speculation"]}
     if sched and fixed:
@@ -540,6 +575,7 @@ def main(argv=None) -> int:
         stats = {n: combine_seeds({sd: step_stats(r) for sd, r in per.items()}) for n, per in runs.items()}
         for n in stats:
             stats[n]["speculation"] = spec_label(*GRPO_VARIANTS[n])
+            stats[n]["name"] = n
         pool_train_time(stats)
         first = {n: per[min(per)] for n, per in runs.items()}  # one seed's rows for the per-step plots
         results["grpo"] = {"steps": steps, "seeds": seeds, "stats": stats, "variants": {n: GRPO_VARIANTS[n] for n in names}}

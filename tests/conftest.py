@@ -137,9 +137,11 @@ def local_ray():
     ray.shutdown()
 
 
-def start_engine(policy_path, spec: dict[str, Any] | None, *, num_engines: int = 1, cpus_per_engine: int | None = None, env_vars=None, cluster=None, **extra_kwargs):
-    """A VllmGeneration on the toy policy, with ``spec`` as its speculative_config."""
+def start_engine(policy_path, spec: dict[str, Any] | None, *, num_engines: int = 1, cpus_per_engine: int | None = None, env_vars=None, cluster=None, control=None, group_cls=None, **extra_kwargs):
+    """A VllmGeneration (or ``group_cls``) on the toy policy, with ``spec`` as its speculative_config
+    and ``control`` (a dict) as its speculation_control."""
     from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.generation.config import SpeculationControlConfig
     from rl_specdec.generation.group import VllmGeneration
 
     kw = validate_vllm_kwargs({**CPU_VLLM_KWARGS, **extra_kwargs, "speculative_config": spec}, str(policy_path))
@@ -149,8 +151,9 @@ def start_engine(policy_path, spec: dict[str, Any] | None, *, num_engines: int =
         vllm_kwargs=kw,
         env_vars=dict(env_vars or {}),
         self_check=False,
+        speculation_control=SpeculationControlConfig(**(control or {})),
     )
-    return VllmGeneration(str(policy_path), cfg, cluster=cluster)
+    return (group_cls or VllmGeneration)(str(policy_path), cfg, cluster=cluster)
 
 
 def wait_until(cond, timeout: float = 15.0, every: float = 0.2) -> bool:

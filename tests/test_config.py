@@ -17,7 +17,7 @@ def test_every_shipped_config_validates():
         toy = path.name.startswith("grpo_")
         cfg = load_config(path, resolve_models=toy)
         spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
-        if path.name == "grpo_base.yaml":
+        if path.name.startswith("grpo_base"):
             assert spec is None
         else:
             assert spec["num_speculative_tokens"] >= 1
@@ -144,12 +144,28 @@ def test_defaults_inheritance_and_interpolation(tmp_path):
         (["policy.generation.drafter_training.enabled=true", "policy.generation.vllm_kwargs.speculative_config=null"], "needs speculation"),
         (["policy.generation.acceptance_canary.action=ignore"], "acceptance_canary.action"),
         (["policy.generation.acceptance_canary.min_ratio=1.5"], "acceptance_canary.min_ratio"),
+        (["policy.generation.speculation_control.mode=auto"], "speculation_control.mode"),
+        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.vllm_kwargs.speculative_config=null"], "needs speculation"),
+        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.vllm_kwargs.speculative_config.method=ngram", "policy.generation.vllm_kwargs.speculative_config.model=null", "policy.generation.vllm_kwargs.speculative_config.draft_sample_method=null"], "draft_model only"),
+        (["policy.generation.speculation_control.mode=fixed", "policy.generation.vllm_kwargs.async_scheduling=true"], "async_scheduling"),
+        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.k_max=2"], "speculation_control.k_max=2"),
+        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.buckets=[2,4]"], "speculation_control.buckets"),
+        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.explore=0.9"], "speculation_control.explore"),
+        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.explore_steps=0"], "speculation_control.explore_steps"),
     ],
 )
 def test_bad_values_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(SPEC, overrides)
     assert needle in str(e.value)
+
+
+def test_speculation_control_off_survives_yaml():
+    """`mode: off` is a YAML 1.1 boolean; it must still mean off (from a file and from the command line)."""
+    base = ROOT / "configs/grpo_base_longtail.yaml"
+    assert load_config(base, resolve_models=False).policy.generation.speculation_control.mode == "off"
+    cfg = load_config(SPEC, ["policy.generation.speculation_control.mode=off"], resolve_models=False)
+    assert cfg.policy.generation.speculation_control.mode == "off"
 
 
 def test_bad_files(tmp_path):

@@ -79,8 +79,9 @@ class DrafterUpkeep:
             generation.disable_speculation()
             self.speculating = False
             message += (
-                " Speculation is off for the rest of the run (acceptance_canary.action=disable): the engines were"
-                " restarted without a drafter. A resumed run starts with speculation on again."
+                " Speculation is off for the rest of the run (acceptance_canary.action=disable): k=0 through the"
+                " k=0 fast path (speculation_control on), or the engines restarted without a drafter."
+                " A resumed run starts with speculation on again."
             )
         logger.warning("%s", message)
         return {"spec_decode/canary": 1.0}

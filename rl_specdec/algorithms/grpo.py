@@ -10,7 +10,8 @@ Group Relative Policy Optimization, one step at a time (:func:`grpo_step`):
    emitted tokens are distributed exactly as plain sampling from the policy,
    and their log-probs are the policy's. Each engine returns its own
    spec-decode counters for this call, so ``spec_decode/*`` describe this
-   step's requests only;
+   step's requests only; with ``speculation_control`` on, each engine's
+   controller chooses k between engine steps and reports its decisions;
 3. **rewards** from the task's verifier;
 4. **advantages**: each reward minus its group's mean, over the group's std;
 5. **policy update**: one optimizer step on the clipped policy-gradient loss,
@@ -51,7 +52,7 @@ from rl_specdec.environments import Sample, Task, make_task
 from rl_specdec.generation import GenerationOutput, RolloutEngine, SamplingSettings
 from rl_specdec.logging import MetricsLogger, Timer
 from rl_specdec.policy import PolicyInterface
-from rl_specdec.spec_decode import compute_spec_decode_metrics
+from rl_specdec.spec_decode import compute_spec_decode_metrics, control_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +228,7 @@ def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
         out = run.generation.generate(prompt_ids, sampling)
     spec = compute_spec_decode_metrics(None, out.spec_counters)
     spec.update(run.drafter.check(spec, run.generation))  # the acceptance canary
+    spec.update(control_metrics(out.spec_control))  # run-time k: k per bucket, predicted and realised tokens/s
     run.drafter.after_generation(step, prompt_ids, out, run.tokenizer.pad_token_id)  # may overlap the policy's update
 
     with timer("reward"):  # 3. rewards
@@ -264,6 +266,7 @@ def step_metrics(out, rewards, correct, advantages, num_trained, train_metrics, 
         "generation/num_tokens": lengths.sum().item(),
         "generation/tokens_per_s": lengths.sum().item() / max(times["timing/generation"], 1e-9),
         "generation/response_length_mean": lengths.mean().item(),
+        "generation/response_length_median": lengths.median().item(),
         "generation/response_length_max": lengths.max().item(),
         "generation/truncated_fraction": sum(r == "length" for r in out.finish_reasons) / len(out.finish_reasons),
         **tail_metrics(out),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from rl_specdec.config.schema import LOG_LEVELS, PolicyConfig, RunConfig
 from rl_specdec.errors import ConfigError
+from rl_specdec.generation import speculation_control
 from rl_specdec.generation.config import GenerationConfig
 
 
@@ -126,6 +127,7 @@ def validate_speculation_care(gen: GenerationConfig) -> None:
     if not 0 < c.min_ratio < 1:
         raise ConfigError(f"{key}.acceptance_canary.min_ratio={c.min_ratio} must be in (0, 1); 0.5 trips at half the usual acceptance")
     _positive(f"{key}.acceptance_canary.window", c.window)
+    speculation_control.validate(gen)
     if not d.enabled:
         return
     for name in ("learning_rate", "steps_per_update", "every", "micro_batch_size"):

@@ -130,7 +130,8 @@ def _resolve_one(name: str, key: str, toy_paths) -> str:
         which = name[len(TOY_PREFIX):]
         if which not in TOY_MODELS:
             raise ConfigError(f"{key}={name!r}: the embedded models are {', '.join('toy:' + m for m in TOY_MODELS)}")
-        return str(getattr(toy_paths(), TOY_MODELS[which]))
+        pair, attr = TOY_MODELS[which]
+        return str(getattr(toy_paths(pair), attr))
     looks_local = name.startswith(("/", "./", "../", "~")) or os.path.exists(name)
     if looks_local and not Path(os.path.expanduser(name)).is_dir():
         raise ConfigError(f"{key}={name!r} is not a directory; give a local Hugging Face model folder or a hub id")
@@ -143,12 +144,13 @@ def resolve_model_paths(cfg: RunConfig) -> None:
 
     cache: dict[str, Any] = {}
 
-    def toy_paths():
-        if "m" not in cache:
+    def toy_paths(pair: str):
+        if pair not in cache:
             from rl_specdec.toy.build import build_toy_models
+            from rl_specdec.toy.longtail import build_longtail_models
 
-            cache["m"] = build_toy_models()
-        return cache["m"]
+            cache[pair] = {"digits": build_toy_models, "longtail": build_longtail_models}[pair]()
+        return cache[pair]
 
     cfg.policy.model_name = _resolve_one(cfg.policy.model_name, "policy.model_name", toy_paths)
     kw = cfg.policy.generation.vllm_kwargs

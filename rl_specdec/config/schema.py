@@ -9,8 +9,14 @@ from rl_specdec.generation.config import ClusterConfig, GenerationConfig
 
 TOY_PREFIX = "toy:"
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# toy:<name> -> the ToyModels attribute holding its folder
-TOY_MODELS = {"policy": "policy", "drafter": "drafter", "drafter-untrained": "drafter_untrained"}
+# toy:<name> -> (which toy pair, the ToyModels attribute holding its folder)
+TOY_MODELS = {
+    "policy": ("digits", "policy"),
+    "drafter": ("digits", "drafter"),
+    "drafter-untrained": ("digits", "drafter_untrained"),
+    "longtail-policy": ("longtail", "policy"),
+    "longtail-drafter": ("longtail", "drafter"),
+}
 
 
 @dataclass

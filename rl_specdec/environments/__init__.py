@@ -1,9 +1,10 @@
 """Tasks (prompts + verifiers) for the GRPO loop."""
 
 from rl_specdec.environments.base import Sample, Task, TaskReward
+from rl_specdec.environments.longtail import LongTailSortTask
 from rl_specdec.environments.sorting import SortingTask
 
-TASKS = {"sorting": SortingTask}
+TASKS = {"sorting": SortingTask, "longtail_sorting": LongTailSortTask}
 
 
 def make_task(name: str, **kwargs) -> Task:
@@ -15,4 +16,4 @@ def make_task(name: str, **kwargs) -> Task:
     return TASKS[name](**kwargs)
 
 
-__all__ = ["Sample", "Task", "TaskReward", "SortingTask", "TASKS", "make_task"]
+__all__ = ["Sample", "Task", "TaskReward", "SortingTask", "LongTailSortTask", "TASKS", "make_task"]

@@ -49,12 +49,12 @@ class AsyncVllmWorker(VllmWorkerBase):
         self.server = None
 
     @staticmethod
-    def _async_engine_kwargs(vllm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _async_engine_kwargs(vllm_kwargs: dict[str, Any], control: dict[str, Any] | None = None) -> dict[str, Any]:
         from vllm.platforms import current_platform
 
         from rl_specdec.generation.engine_ext import cpu_fixed_executor
 
-        kwargs = VllmWorkerBase._engine_kwargs(vllm_kwargs)
+        kwargs = VllmWorkerBase._engine_kwargs(vllm_kwargs, control)
         if current_platform.is_cpu():
             world = int(kwargs.get("tensor_parallel_size", 1)) * int(kwargs.get("pipeline_parallel_size", 1))
             if world > 1 or kwargs.get("distributed_executor_backend") not in (None, "uni"):
@@ -73,6 +73,7 @@ class AsyncVllmWorker(VllmWorkerBase):
         seed: int,
         cpu_bind: str | None,
         server: dict[str, Any] | None = None,
+        control: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Build the engine (and the HTTP server when ``server`` is given); returns start-up facts."""
         t0 = time.time()
@@ -80,9 +81,10 @@ class AsyncVllmWorker(VllmWorkerBase):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = self._async_engine_kwargs(vllm_kwargs)
+        kwargs = self._async_engine_kwargs(vllm_kwargs, control)
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, seed=seed, **kwargs))
         self._note_platform()
+        await self._drive(self._control_script(control, vllm_kwargs.get("speculative_config") is not None))
         facts = (await self.engine.collective_rpc("rl_specdec_engine_facts"))[0]
         info = self._start_info(t0, cpu_bind, facts, (await self.engine.collective_rpc("rl_specdec_settings"))[0])
         info["base_url"] = None
@@ -156,7 +158,36 @@ class AsyncVllmWorker(VllmWorkerBase):
         async for i, s in self.generate_async(prompt_token_ids, sampling, offset, extra):
             results[i], done[i] = s, time.time() - t0
         order = [offset + i for i in range(len(prompt_token_ids))]
-        return self._batch_result([results[i] for i in order], time.time() - t0, [done[i] for i in order], sampling.logprobs > 0)
+        result = self._batch_result([results[i] for i in order], time.time() - t0, [done[i] for i in order], sampling.logprobs > 0)
+        if self.control_on:
+            result["spec_control"] = (await self.engine_rpc("rl_specdec_spec_report"))[0]
+        return result
+
+    # ---- run-time k ---------------------------------------------------------------------
+    async def _drive(self, script) -> Any:
+        """Run a :meth:`_control_script` against this engine (as the synchronous worker does)."""
+        try:
+            req = next(script)
+            while True:
+                if req[0] == "rpc":
+                    res = (await self.engine_rpc(req[1], *req[2]))[0]
+                else:
+                    res = (await self.generate(req[1], self._check_sampling(1)[0], 0, {"ignore_eos": True}))["token_ids"]
+                req = script.send(res)
+        except StopIteration as stop:
+            return stop.value
+
+    async def engine_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call a method of the engine's extension in the engine-core process (``collective_rpc``)."""
+        return await self.engine.collective_rpc(method, args=args, kwargs=kwargs or None)
+
+    async def set_speculation(self, k: int) -> list[int]:
+        """k (0: off) everywhere, or the controller's cap; see ``RolloutEngine.set_speculation``."""
+        return (await self.engine_rpc("rl_specdec_spec_set_k_max", int(k)))[0]
+
+    async def check_spec_control(self) -> dict[str, Any] | None:
+        """Run the start-up self-check of run-time k again (raises ConfigError if the fast path fails it)."""
+        return await self._drive(self._control_script(self.control, self.control_on))
 
     async def engine_counters(self) -> dict[str, Any]:
         """vLLM's cumulative spec-decode counters in this process's registry (all traffic, HTTP included)."""

@@ -41,6 +41,20 @@ class CanaryConfig:
 
 
 @dataclass
+class SpeculationControlConfig:
+    """k chosen while the engine runs: see rl_specdec.generation.speculation_control (draft_model only)."""
+
+    mode: str = "off"  # off (vLLM's own k or schedule) | fixed (k settable at run time) | adaptive (the controller)
+    k_max: Optional[int] = None  # the most k may be; default: speculative_config.num_speculative_tokens
+    k0_fast_path: bool = True  # k=0 steps skip the drafter (catch-up later); false: vLLM's own path (slower, correct)
+    buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # batch-size bucket lower bounds
+    explore: float = 0.03  # fraction of steps that try another k (adaptive)
+    explore_steps: int = 4  # steps per exploration burst
+    memory_steps: int = 200  # the step-cost model forgets with this horizon (steps)
+    acceptance_memory: int = 2000  # the acceptance estimate forgets with this horizon (drafts)
+
+
+@dataclass
 class GenerationConfig:
     """One data-parallel group of vLLM engines."""
 
@@ -61,5 +75,6 @@ class GenerationConfig:
     strict_engine_settings: bool = False
     drafter_training: DrafterTrainingConfig = field(default_factory=DrafterTrainingConfig)
     acceptance_canary: CanaryConfig = field(default_factory=CanaryConfig)
+    speculation_control: SpeculationControlConfig = field(default_factory=SpeculationControlConfig)
     # Passed to vllm.LLM(...) as-is (speculative_config included), after validation.
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -10,6 +10,10 @@ attribute chains: whatever rl_specdec does inside the engine is here.
   rejection sampler's expand path right), the settings the engine really runs,
   and weight reload into the target model or the drafter, checked before
   anything is loaded (:mod:`~rl_specdec.generation.weights`).
+* run-time speculation control (:class:`~rl_specdec.generation.engine.control.SpecControlExtension`,
+  mixed in): the k=0 fast path, k set at run time, the adaptive controller;
+  its code lives in :mod:`rl_specdec.generation.engine`, the scheduler class
+  it needs is ``rl_specdec.generation.engine.scheduler.SettableKScheduler``.
 * :data:`EXECUTOR_NAME`: for ``AsyncLLM``, whose engine core always runs in a
   separate (spawned) process, a ``UniProcExecutor`` subclass that applies the
   CPU fix in that process before the worker is built. It is passed as the
@@ -23,11 +27,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from rl_specdec.generation.engine.control import SpecControlExtension
+from rl_specdec.generation.engine.lazy import lazy_classes
+
 EXTENSION = f"{__name__}.RlSpecdecExtension"
 EXECUTOR_NAME = "CpuFixedUniProcExecutor"
 
 
-class RlSpecdecExtension:
+class RlSpecdecExtension(SpecControlExtension):
     """Mixed into vLLM's worker; ``self`` is the worker (``self.model_runner``, ``self.reload_weights``)."""
 
     def rl_specdec_engine_facts(self) -> dict[str, Any]:
@@ -78,7 +85,21 @@ class RlSpecdecExtension:
                 "speculative/draft_sample_method": spec.draft_sample_method,
                 "speculative/rejection_sample_method": spec.rejection_sample_method,
             })
+            out.update(self._rl_specdec_control_settings())
         return out
+
+    def _rl_specdec_control_settings(self) -> dict[str, Any]:
+        """Run-time k: the mode, not the k of the moment (k is chosen while the engine runs)."""
+        st = self.__dict__.get("_rl_spec")
+        if st is None:
+            return {"speculation_control/mode": "off"}
+        return {
+            "speculation_control/mode": st.mode,
+            "speculation_control/k_max": st.k_max,
+            "speculation_control/k0_fast_path": st.fp.plain_steps,
+            # the schedule vLLM was started with is rl_specdec's vehicle for run-time k, not a setting
+            "speculative/num_speculative_tokens_per_batch_size": None,
+        }
 
     def _rl_specdec_expected(self, target: str):
         from rl_specdec.generation.weights import expected_tensors
@@ -182,18 +203,11 @@ def _make_executor_class():
             apply_cpu_spec_decode_fixes()
             super()._init_executor()
 
-    CpuFixedUniProcExecutor.__module__ = __name__
-    CpuFixedUniProcExecutor.__qualname__ = EXECUTOR_NAME
     return CpuFixedUniProcExecutor
 
 
-def __getattr__(name: str):
-    # pickle finds the executor class by this module attribute, in the engine-core process too
-    if name == EXECUTOR_NAME:
-        cls = _make_executor_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# pickle finds the executor class by this module attribute, in the engine-core process too
+__getattr__ = lazy_classes(__name__, globals(), {EXECUTOR_NAME: _make_executor_class})
 
 
 def cpu_fixed_executor():

@@ -28,7 +28,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_specdec.errors import GenerationEngineDied, SamplingSelfCheckFailed
-from rl_specdec.generation import settings, weights
+from rl_specdec.generation import settings, speculation_control, weights
 from rl_specdec.generation.async_worker import AsyncVllmWorker, per_prompt
 from rl_specdec.generation.config import ClusterConfig, GenerationConfig
 from rl_specdec.generation.interfaces import GenerationOutput, SamplingSettings
@@ -82,8 +82,9 @@ class VllmGeneration:
             ]
             self.placements = self._get([w.placement.remote() for w in self.workers])
             binds = [None] * config.num_engines if on_gpu else assign_cpu_binds(self.placements, config.cpus_per_engine)
+            control = speculation_control.as_dict(config.speculation_control)
             self.engine_info = self._get(
-                [w.start_engine.remote(model, config.vllm_kwargs, seed, b, **start_kwargs) for w, b in zip(self.workers, binds)]
+                [w.start_engine.remote(model, config.vllm_kwargs, seed, b, control=control, **start_kwargs) for w, b in zip(self.workers, binds)]
             )
             # what the engines really run; a setting vLLM did not honour is a warning (or, strict, an error)
             self.settings = settings.check(
@@ -193,13 +194,43 @@ class VllmGeneration:
     def reset_prefix_cache(self) -> None:
         self._get([w.reset_prefix_cache.remote() for w in self.workers])
 
-    def disable_speculation(self) -> None:
-        """Restart every engine without ``speculative_config``: plain vLLM from here on.
+    @property
+    def control_on(self) -> bool:
+        """Run-time k is installed: ``speculation_control`` is on and the engines speculate."""
+        on = speculation_control.is_on(self.config.speculation_control)
+        return on and self.config.vllm_kwargs.get("speculative_config") is not None
 
-        A restart, not a switch inside the running engine, so what runs is vLLM's own
-        non-speculative path (lossless by construction). The new engines load the
-        model path's weights (or dummy ones): refit them before the next rollout.
+    def set_speculation(self, k_max: int) -> None:
+        """At most ``k_max`` drafted tokens from now on, in every engine; 0 turns speculation off at no cost.
+
+        Needs ``speculation_control.mode`` fixed (k becomes ``k_max`` everywhere) or
+        adaptive (the controller never chooses more than ``k_max``).
         """
+        if not self.control_on:
+            raise RuntimeError(
+                "set_speculation needs run-time k: set policy.generation.speculation_control.mode to fixed or adaptive "
+                "(speculation_control.mode=off runs vLLM's k as configured)"
+            )
+        self._get([w.set_speculation.remote(int(k_max)) for w in self.workers])
+
+    def check_spec_control(self) -> None:
+        """Run every engine's start-up self-check of the k=0 fast path again; raises ConfigError where it fails."""
+        self._get([w.check_spec_control.remote() for w in self.workers])
+
+    def engine_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method`` of every engine's extension (``collective_rpc``); one result per engine. For tools and tests."""
+        return [r[0] for r in self._get([w.engine_rpc.remote(method, *args, **kwargs) for w in self.workers])]
+
+    def disable_speculation(self) -> None:
+        """Speculation off for good. With run-time k (``speculation_control`` on): k=0 in
+        every engine, which runs vLLM's plain path through the k=0 fast path, with no
+        restart. Otherwise every engine restarts without ``speculative_config``: vLLM's
+        own non-speculative path. The new engines load the model path's weights (or
+        dummy ones): refit them before the next rollout.
+        """
+        if self.control_on:  # run-time k: k=0 through the fast path, no restart
+            self.set_speculation(0)
+            return
         vllm_kwargs = {k: v for k, v in self.config.vllm_kwargs.items() if k != "speculative_config"}
         config = dataclasses.replace(self.config, vllm_kwargs=vllm_kwargs)
         self.shutdown()

@@ -1,7 +1,8 @@
 """The rollout interface: what the RL loop may ask of a generation backend.
 
 Kept as small as verl's ``BaseRollout``: generate, check that sampling is
-lossless, update weights, reset the prefix cache, sleep, wake up, shut down.
+lossless, update weights, reset the prefix cache, cap speculation, sleep,
+wake up, shut down.
 Only token ids cross this boundary in either direction; tokenisation belongs
 to the caller. Speculative-decoding counters travel *with* each output
 (:attr:`GenerationOutput.spec_counters`), so a step's ``spec_decode/*``
@@ -55,6 +56,9 @@ class GenerationOutput:
     # This call's spec-decode counters summed over its requests and engines, in
     # vLLM's names (rl_specdec.spec_decode.counters); {} without speculation.
     spec_counters: dict[str, Any] = field(default_factory=dict)
+    # Per engine, what run-time k did during this call (speculation_control on; [] otherwise):
+    # k per batch-size bucket, predicted and realised tokens/s (rl_specdec.spec_decode.control_metrics).
+    spec_control: list[dict[str, Any]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -72,6 +76,7 @@ class GenerationOutput:
             out.per_engine_time_s.append(p["time_s"])
             out.finish_time_s += p["finish_time_s"]
         out.spec_counters = aggregate_spec_decode_counters(p.get("spec_counters") for p in parts)
+        out.spec_control = [p["spec_control"] for p in parts if p.get("spec_control")]
         return out
 
     def time_until_done(self, fraction: float) -> float | None:
@@ -97,6 +102,7 @@ class GenerationOutput:
             per_engine_time_s=list(self.per_engine_time_s),
             finish_time_s=[self.finish_time_s[i] for i in indices] if self.finish_time_s else [],
             spec_counters=dict(self.spec_counters),
+            spec_control=list(self.spec_control),
         )
 
 
@@ -131,6 +137,10 @@ class RolloutEngine(Protocol):
         The engines may come back with the weights of the model path, not the
         trainer's: the caller refits them (``update_weights``) before the next rollout.
         """
+        ...
+
+    def set_speculation(self, k_max: int) -> None:
+        """Draft at most ``k_max`` tokens from now on (0: speculation off, at no cost); raises where k is not settable."""
         ...
 
     def sleep(self, level: int = 1) -> None: ...

@@ -13,6 +13,10 @@ flat keys, speculative ones under ``speculative/``), and this module:
 * checks that every engine of a group runs the same settings (:func:`agree`);
 * writes a one-line summary for the console (:func:`summary_line`).
 
+With run-time k (``speculation_control``) the settings report the control
+mode and k_max, not the k of the moment: rl_specdec then owns
+``num_speculative_tokens`` and the schedule (:data:`RUN_TIME_K`).
+
 The group warns once per mismatch, or raises :class:`ConfigError` before the
 first step under ``policy.generation.strict_engine_settings``.
 """
@@ -45,6 +49,9 @@ COMPARED = (
     "speculative/draft_sample_method",
     "speculative/rejection_sample_method",
 )
+
+# With run-time k (speculation_control fixed or adaptive) rl_specdec sets these itself: k_max and vLLM's dynamic-k mode.
+RUN_TIME_K = ("speculative/num_speculative_tokens", "speculative/num_speculative_tokens_per_batch_size")
 
 # (setting, backend) -> why the engine runs something else, where it is known.
 REASONS = {
@@ -84,9 +91,10 @@ def _same(a: Any, b: Any) -> bool:
 def mismatches(vllm_kwargs: dict[str, Any], effective: dict[str, Any]) -> list[Mismatch]:
     """Every setting the user asked for that the engine does not run. ``dtype: auto`` asks for nothing."""
     backend = effective.get("backend")
+    owned = RUN_TIME_K if effective.get("speculation_control/mode", "off") != "off" else ()
     out = []
     for key, want in requested(vllm_kwargs).items():
-        if key == "dtype" and want == "auto":
+        if (key == "dtype" and want == "auto") or key in owned:
             continue
         have = effective.get(key)
         if key in effective and not _same(want, have):
@@ -127,9 +135,13 @@ def check(vllm_kwargs: dict[str, Any], per_engine: list[dict[str, Any]], strict:
 def summary_line(settings: dict[str, Any], num_engines: int) -> str:
     """One line for the console: what every engine runs."""
     s = settings
+    mode = s.get("speculation_control/mode", "off")
     if s.get("speculative/method"):
         sched = s.get("speculative/num_speculative_tokens_per_batch_size")
         k = f"k by batch size {sched}" if sched else f"k={s.get('speculative/num_speculative_tokens')}"
+        if mode != "off":
+            fast = "k=0 fast path" if s.get("speculation_control/k0_fast_path") else "k=0 through vLLM's path"
+            k = f"k chosen at run time ({mode}, 0..{s.get('speculation_control/k_max')}, {fast})"
         spec = f"{s['speculative/method']} {k} ({s.get('speculative/draft_sample_method')} drafts, {s.get('speculative/rejection_sample_method')} rejection)"
     else:
         spec = "no speculation"

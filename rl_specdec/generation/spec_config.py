@@ -33,6 +33,7 @@ RL_SPECDEC_OWNED = {
     "worker_extension_cls": "its engine extension, rl_specdec.generation.engine_ext",
     "disable_log_stats": "spec-decode metrics need stat logging",
     "per_request_spec_decode_metrics": "each call's spec-decode counters come from it",
+    "scheduler_cls": "policy.generation.speculation_control (run-time k needs its scheduler class)",
 }
 # Methods whose proposer is a separate model given in speculative_config.model.
 DRAFTER_METHODS = {"draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "dflash", "dspark"}

@@ -13,9 +13,13 @@ host it landed on; ``start_engine`` then builds the engine with the CPU cores
 the group assigned to it. Everything that crosses the actor boundary is token
 ids, floats and plain dicts.
 
-Whatever runs inside the engine (the weight reload, the start-up facts) is a
-method of :class:`~rl_specdec.generation.engine_ext.RlSpecdecExtension`,
-reached with ``collective_rpc``.
+Whatever runs inside the engine (the weight reload, the start-up facts,
+run-time k) is a method of :class:`~rl_specdec.generation.engine_ext.RlSpecdecExtension`,
+reached with ``collective_rpc``. With ``speculation_control`` on, the engine
+is started in vLLM's dynamic-k mode, the fast path is installed and proven by
+the start-up self-check (:meth:`VllmWorkerBase._control_script`, driven by each
+worker), and every ``generate`` result carries the engine's report of the call
+(``spec_control``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import socket
 import time
 from typing import Any
 
-from rl_specdec.errors import SleepNotSupported
+from rl_specdec.errors import ConfigError, SleepNotSupported
+from rl_specdec.generation import speculation_control
 from rl_specdec.generation.engine_ext import EXTENSION
 from rl_specdec.generation.interfaces import SamplingSettings
 from rl_specdec.logging import LEVEL_ENV as QUIET_ENV
@@ -38,6 +43,8 @@ class VllmWorkerBase:
 
     platform = "unknown"
     sleep_available = False
+    control_on = False  # run-time k installed (speculation_control.mode fixed or adaptive)
+    control: dict[str, Any] | None = None
 
     # ---- placement and process set-up ------------------------------------------------
     def placement(self) -> dict[str, Any]:
@@ -62,9 +69,9 @@ class VllmWorkerBase:
             logging.getLogger("vllm").setLevel(os.environ[QUIET_ENV])
 
     @staticmethod
-    def _engine_kwargs(vllm_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """``vllm_kwargs`` plus what rl_specdec needs of every engine."""
-        kw = dict(vllm_kwargs)
+    def _engine_kwargs(vllm_kwargs: dict[str, Any], control: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``vllm_kwargs`` plus what rl_specdec needs of every engine (and of run-time k, when ``control`` is on)."""
+        kw = speculation_control.engine_kwargs(vllm_kwargs, control)
         kw["disable_log_stats"] = False  # the spec-decode metrics need stat logging
         kw["worker_extension_cls"] = EXTENSION
         if logging.getLevelName(os.environ.get(QUIET_ENV, "INFO")) > logging.INFO:
@@ -91,6 +98,35 @@ class VllmWorkerBase:
             "platform": self.platform,
             "cpu_bind": cpu_bind,
         }
+
+    # ---- run-time k ---------------------------------------------------------------------
+    def _control_script(self, control: dict[str, Any] | None, spec_on: bool):
+        """Install run-time k and prove the fast path; a generator of ("rpc", method, args) and
+        ("generate", prompts) requests that each worker drives with its own engine calls."""
+        from rl_specdec.generation.engine.control import SpecControl
+
+        self.control, self.control_on = control, speculation_control.is_on(control) and spec_on
+        if not self.control_on:
+            return None
+        info = yield ("rpc", "rl_specdec_spec_install", (speculation_control.as_dict(control),))
+        if info["k0_fast_path"]:
+            outs = []
+            for phase in ("reference", "switch"):
+                prompts = yield ("rpc", "rl_specdec_spec_self_check", (phase,))
+                outs.append((yield ("generate", prompts)))
+            problems = yield ("rpc", "rl_specdec_spec_self_check", ("verdict",))
+            if outs[0] != outs[1]:
+                problems.append("greedy outputs changed when k=0 steps ran through it")
+            if problems:
+                raise ConfigError(SpecControl.refusal("its start-up self-check found: " + "; ".join(problems)))
+        yield ("rpc", "rl_specdec_spec_start", ())
+        return info
+
+    @staticmethod
+    def _check_sampling(n: int):
+        from rl_specdec.generation.engine.selfcheck import CHECK_TOKENS
+
+        return [SamplingSettings(max_tokens=CHECK_TOKENS, temperature=0.0)] * n
 
     # ---- requests and results --------------------------------------------------------
     @staticmethod
@@ -154,7 +190,7 @@ class VllmWorker(VllmWorkerBase):
     objects (the state dict) without serialising them.
     """
 
-    def start_engine(self, model: str, vllm_kwargs: dict[str, Any], seed: int, cpu_bind: str | None) -> dict[str, Any]:
+    def start_engine(self, model: str, vllm_kwargs: dict[str, Any], seed: int, cpu_bind: str | None, control: dict[str, Any] | None = None) -> dict[str, Any]:
         """Build the engine; returns start-up facts (time, CPU fix, platform, cores)."""
         t0 = time.time()
         self._prepare_process(cpu_bind)
@@ -164,8 +200,9 @@ class VllmWorker(VllmWorkerBase):
         apply_cpu_spec_decode_fixes()
         from vllm import LLM
 
-        self.llm = LLM(model=model, seed=seed, **self._engine_kwargs(vllm_kwargs))
+        self.llm = LLM(model=model, seed=seed, **self._engine_kwargs(vllm_kwargs, control))
         self._note_platform()
+        self._drive(self._control_script(control, vllm_kwargs.get("speculative_config") is not None))
         facts, settings = (self.llm.collective_rpc(m)[0] for m in ("rl_specdec_engine_facts", "rl_specdec_settings"))
         return self._start_info(t0, cpu_bind, facts, settings)
 
@@ -181,7 +218,36 @@ class VllmWorker(VllmWorkerBase):
             done = getattr(o.metrics, "last_token_ts", 0.0) if o.metrics is not None else 0.0
             finish.append(min(max(done - t0_mono, 0.0), time_s) if done else time_s)
         want_top = sampling.logprobs > 0
-        return self._batch_result([self._sample(o.outputs[0], want_top) for o in outs], time_s, finish, want_top)
+        result = self._batch_result([self._sample(o.outputs[0], want_top) for o in outs], time_s, finish, want_top)
+        if self.control_on:
+            result["spec_control"] = self.engine_rpc("rl_specdec_spec_report")[0]
+        return result
+
+    def _drive(self, script) -> Any:
+        """Run a :meth:`_control_script` against this engine."""
+        try:
+            req = next(script)
+            while True:
+                if req[0] == "rpc":
+                    res = self.engine_rpc(req[1], *req[2])[0]
+                else:
+                    params = [self._sampling_params(s, 0, {"ignore_eos": True}) for s in self._check_sampling(len(req[1]))]
+                    res = [list(o.outputs[0].token_ids) for o in self.llm.generate([{"prompt_token_ids": p} for p in req[1]], params, use_tqdm=False)]
+                req = script.send(res)
+        except StopIteration as stop:
+            return stop.value
+
+    def engine_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call a method of the engine's extension (``collective_rpc``); for run-time k, tools and tests."""
+        return self.llm.collective_rpc(method, args=args, kwargs=kwargs or None)
+
+    def set_speculation(self, k: int) -> list[int]:
+        """k (0: off) everywhere, or the controller's cap; see ``RolloutEngine.set_speculation``."""
+        return self.engine_rpc("rl_specdec_spec_set_k_max", int(k))[0]
+
+    def check_spec_control(self) -> dict[str, Any] | None:
+        """Run the start-up self-check of run-time k again (raises ConfigError if the fast path fails it)."""
+        return self._drive(self._control_script(self.control, self.control_on))
 
     def engine_counters(self) -> dict[str, Any]:
         """vLLM's cumulative spec-decode counters over the engine's life (all traffic); {} without speculation."""

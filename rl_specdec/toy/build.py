@@ -104,8 +104,10 @@ def build_tokenizer():
     )
 
 
-def qwen2_config(shape: ModelShape, vocab_size: int = MODEL_VOCAB_SIZE, eos_id: int = VOCAB.index(EOS), pad_id: int = VOCAB.index(PAD)):
-    """A small Qwen2 config (head_dim 32: vLLM's CPU attention rejects 16; 128 positions)."""
+def qwen2_config(
+    shape: ModelShape, vocab_size: int = MODEL_VOCAB_SIZE, eos_id: int = VOCAB.index(EOS), pad_id: int = VOCAB.index(PAD), max_positions: int = 128
+):
+    """A small Qwen2 config (head_dim 32: vLLM's CPU attention rejects 16; 128 positions unless told)."""
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -116,7 +118,7 @@ def qwen2_config(shape: ModelShape, vocab_size: int = MODEL_VOCAB_SIZE, eos_id: 
         num_key_value_heads=shape.num_attention_heads,
         head_dim=shape.hidden_size // shape.num_attention_heads,
         intermediate_size=shape.intermediate_size,
-        max_position_embeddings=128,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=eos_id,

@@ -1,0 +1,383 @@
+"""The adaptive speculation controller: which k in 0..K emits the most tokens per second, per batch-size bucket.
+
+Pure logic (numpy, no vLLM): it is fed one :class:`~.fastpath.StepRecord` per
+engine step and answers with the scheduler's batch-size -> k lookup.
+
+**What it learns.**
+
+* *Step cost*: the wall time of an engine step as a linear function of
+  features of the step, fitted by ridge least squares on relative errors in which each kind of
+  step (k verified, k drafted) forgets over its own last ``memory_steps``
+  steps::
+
+      t = a + c_b b + c_C C + c_P P + [k_v>0](s + s_b b) + k_v (v_b b + v_C C)
+            + [k_n>0](d + d_b b + d_P P) + k_n (e + e_b b + e_C C)
+
+  with b the scheduled requests, C their context tokens, P the prompt tokens
+  prefilled in the step beyond one per request (new requests join a running
+  batch all through a GRPO step; the drafter prefills them too when it
+  drafts), k_v the drafts verified per request in this step and k_n the
+  drafts made for the next (the target verifies k_v+1 tokens per request; the
+  drafter runs k_n passes). Transition steps (k_v != k_n) are as informative
+  as steady ones, so a few explored values of k price every k at every batch
+  size; predicted times are made non-decreasing in k. Steps with a drafter
+  catch-up or an idle gap before them are left out.
+* *Acceptance*: P_i, the chance that the first i drafts are all accepted, from
+  the per-position counts of every verify step (forgetting over
+  ``acceptance_memory`` drafts, so a drafter refit every step is followed).
+  E[L(k)] = 1 + P_1 + ... + P_k tokens per request per step.
+
+**What it decides.** For bucket j (representative batch b_j, context C_j and
+prefill P_j, running means of the steps seen there) it rates each k by the
+tokens per second measured directly in that bucket over its recent steady
+steps (k verified = k drafted; their mean batch over their mean time, times
+E[L(k)] from the acceptance of now), shrunk towards the model's rate
+``b_j E[L(k)] / t(b_j, C_j, P_j, k, k)`` (scaled by what k=0 measured there
+against what the model predicts for it) as if the model were
+``PRIOR_STEPS`` steps. The model fills in the k a bucket has not run; the
+measurements correct it where it does not fit. It picks the
+best k in 0..cap, but k=0
+unless the best k is predicted ``min_gain`` better than k=0 (speculation has
+to pay by a margin), and keeps the current k>0 unless another is predicted
+``min_gain`` better. Decisions start once the cost model has seen k=0 and two
+values of k>0 (one if cap is 1); until then the lookup is the warm-up's.
+
+**How it explores.** At a step in bucket j it may hold another k in that
+bucket for ``explore_steps`` steps (a burst), chosen uniformly at random.
+Bursts start with probability ``explore / explore_steps`` per step, so about
+``explore`` of the steps explore. Until the cost model is ready it warms up
+(unless ``explore`` is 0): every step belongs to a burst of the k it has seen
+least, over every bucket
+(the batch shrinks too fast through a call for one bucket to hold it). A switch from k=0 costs one drafter catch-up, which is why
+exploration comes in bursts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+REFIT_EVERY = 8  # observations between refits of the cost model
+MEASURED_DECAY = 0.95  # per steady step of a (bucket, k): direct measurements forget over ~20 steps
+MIN_MEASURED = 3.0  # steady k=0 steps of a bucket before they calibrate the model there
+PRIOR_STEPS = 4.0  # a measured rate is shrunk towards the model's as if the model were this many steps
+CLIP = 4.0  # an observed step time is clipped to [predicted / CLIP, predicted * CLIP] (descheduled steps)
+
+
+@dataclass
+class ControlSettings:
+    k_max: int
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # lower bounds of the batch-size buckets; the first is 1
+    max_batch: int = 256  # the largest batch size (max_num_seqs): the lookup has max_batch + 1 entries
+    explore: float = 0.03
+    explore_steps: int = 4
+    memory_steps: int = 200
+    acceptance_memory: int = 2000
+    min_gain: float = 0.03
+    seed: int = 0
+
+
+def bucket_ranges(buckets, max_batch: int) -> list[tuple[int, int]]:
+    """[(lo, hi), ...] inclusive batch-size ranges; the last one ends at ``max_batch``."""
+    los = [b for b in buckets if b <= max_batch]
+    return [(lo, (los[i + 1] - 1) if i + 1 < len(los) else max_batch) for i, lo in enumerate(los)]
+
+
+def lookup_from(ranges: list[tuple[int, int]], ks: list[int]) -> list[int]:
+    """The scheduler's dense lookup (index 0 unused) with k = ks[j] over bucket j."""
+    out = [0]
+    for (lo, hi), k in zip(ranges, ks):
+        out += [int(k)] * (hi - lo + 1)
+    return out
+
+
+def ks_of(ranges: list[tuple[int, int]], lookup: list[int]) -> list[float]:
+    """Each bucket's k in a lookup (its mean, where the lookup is not uniform over the bucket)."""
+    return [sum(lookup[lo : hi + 1]) / (hi - lo + 1) for lo, hi in ranges]
+
+
+def features(b: float, ctx: float, kv: float, kn: float, pre: float = 0.0) -> np.ndarray:
+    """The cost model's features of a step: b requests, ctx context tokens, kv drafts verified and kn
+    drafted per request, pre prompt tokens prefilled beyond one per request (the target's, and the
+    drafter's too when it drafts)."""
+    B, C, P = b / 64.0, ctx / 16384.0, pre / 1024.0
+    sv, sn = float(kv > 0), float(kn > 0)
+    return np.array([1.0, B, C, P, sv, sv * B, kv * B, kv * C, sn, sn * B, sn * P, kn, kn * B, kn * C])
+
+
+class CostModel:
+    """Step wall time, linear in :func:`features`, by ridge least squares on relative errors, with forgetting.
+
+    Each kind of step, (k verified, k drafted), keeps its own statistics and
+    forgets only as new steps of its kind arrive (horizon ``memory`` steps), so
+    the rarely explored k keep their last measurements while the common k
+    stay fresh.
+    """
+
+    def __init__(self, memory: int):
+        self.n = len(features(1, 1, 1, 1))
+        self.decay = 1.0 - 1.0 / max(memory, 2)
+        self.stats: dict[tuple[int, int], list] = {}  # (k verified, k drafted) -> [A, y, weight]
+        self.theta = None
+
+    def observe(self, x: np.ndarray, t: float, k_next: int, k_verify: float) -> None:
+        st = self.stats.setdefault((round(k_verify), int(k_next)), [np.zeros((self.n, self.n)), np.zeros(self.n), 0.0])
+        w2 = 1.0 / max(t, 1e-6) ** 2  # relative errors: a 1 ms step weighs as much as a 100 ms one
+        st[0] *= self.decay
+        st[1] *= self.decay
+        st[0] += w2 * np.outer(x, x)
+        st[1] += w2 * x * t
+        st[2] = st[2] * self.decay + 1.0
+
+    def seen(self, k: int) -> float:
+        """Steady steps seen at k (decayed)."""
+        st = self.stats.get((k, k))
+        return st[2] if st else 0.0
+
+    def ready(self, cap: int) -> bool:
+        distinct = sum(1 for k in range(1, cap + 1) if self.seen(k) >= 2.0)
+        return self.seen(0) >= 3.0 and distinct >= min(2, cap)
+
+    def fit(self) -> None:
+        A = sum(st[0] for st in self.stats.values())
+        y = sum(st[1] for st in self.stats.values())
+        ridge = 1e-4 * max(np.trace(A) / self.n, 1e-12)
+        self.theta = np.linalg.solve(A + ridge * np.eye(self.n), y)
+
+    def predict(self, x: np.ndarray) -> float | None:
+        return None if self.theta is None else float(self.theta @ x)
+
+
+class AcceptanceModel:
+    """P_i = P(the first i drafts are all accepted), i = 1..k_max, with forgetting over ``memory`` drafts."""
+
+    def __init__(self, k_max: int, memory: int, prior: float = 0.7, prior_weight: float = 20.0):
+        self.memory = float(max(memory, 1))
+        self.drafted = [prior_weight] * k_max
+        self.accepted = [prior_weight * prior ** (i + 1) for i in range(k_max)]
+        self._lengths: list[float] | None = None
+
+    def observe(self, drafted_pp: list[int], accepted_pp: list[int]) -> None:
+        self._lengths = None
+        keep = math.exp(-drafted_pp[0] / self.memory) if drafted_pp else 1.0
+        for i in range(len(self.drafted)):
+            self.drafted[i] *= keep
+            self.accepted[i] *= keep
+            if i < len(drafted_pp):
+                self.drafted[i] += drafted_pp[i]
+                self.accepted[i] += accepted_pp[i]
+
+    def probs(self) -> list[float]:
+        out, last = [], 1.0
+        for d, a in zip(self.drafted, self.accepted):
+            last = min(last, a / d if d > 0 else 0.0)  # P_i can only fall with i
+            out.append(last)
+        return out
+
+    def expected_length(self, k: int) -> float:
+        """E[L(k)]: tokens a request emits per step when it drafts k."""
+        if self._lengths is None:
+            self._lengths = [1.0]
+            for p in self.probs():
+                self._lengths.append(self._lengths[-1] + p)
+        return self._lengths[min(k, len(self._lengths) - 1)]
+
+
+class Tally:
+    """What one engine's steps did since the last report: realised and predicted tokens per second.
+
+    Both rates are over the same steps: those the controller predicted (every
+    decode step once its cost model is ready), or every decode step when it
+    predicted none.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = self.explored = self.catch_up = 0
+        self.all = [0.0, 0.0]  # emitted tokens, seconds: every decode step
+        self.pred = [0.0, 0.0, 0.0, 0.0]  # predicted tokens, predicted seconds, emitted tokens, seconds
+
+    def add(self, rec, predicted: tuple[float, float] | None, exploring: bool) -> None:
+        self.catch_up += rec.catch_up
+        if rec.period_s is None or rec.catch_up:
+            return
+        self.steps += 1
+        self.explored += int(exploring)
+        self.all[0] += rec.emitted
+        self.all[1] += rec.period_s
+        if predicted is not None:
+            for i, v in enumerate((predicted[0], predicted[1], rec.emitted, rec.period_s)):
+                self.pred[i] += v
+
+    def report(self) -> dict:
+        out = {"timed_steps": self.steps, "explore_steps": self.explored, "catch_up_tokens": self.catch_up}
+        if self.pred[1] > 0 and self.pred[3] > 0:
+            out["predicted_tokens_per_s"] = self.pred[0] / self.pred[1]
+            out["realised_tokens_per_s"] = self.pred[2] / self.pred[3]
+        elif self.all[1] > 0:
+            out["realised_tokens_per_s"] = self.all[0] / self.all[1]
+        return out
+
+
+class Controller:
+    """One engine's controller: feed it :meth:`step` once per engine step; it returns a new lookup when k changes."""
+
+    def __init__(self, settings: ControlSettings, initial_lookup: list[int]):
+        s = self.settings = settings
+        self.ranges = bucket_ranges(s.buckets, s.max_batch)
+        self.los = [lo for lo, _ in self.ranges]
+        self.choice = [int(round(k)) for k in ks_of(self.ranges, initial_lookup)]
+        self.cap = s.k_max
+        self.cost, self.acc = CostModel(s.memory_steps), AcceptanceModel(s.k_max, s.acceptance_memory)
+        self.b_mean = [math.sqrt(lo * hi) for lo, hi in self.ranges]
+        self.ctx_per_req = [64.0] * len(self.ranges)
+        self.pre_per_step = [0.0] * len(self.ranges)
+        self.measured: dict[tuple[int, int], list[float]] = {}  # (bucket, k) -> decayed [requests, seconds, steps]
+        self.burst: list | None = None  # [bucket (None: every bucket), k, steps left]
+        self.rng = random.Random(s.seed)
+        self.tally = Tally()
+        self.pushed = list(initial_lookup)
+        self._since_fit = 0
+
+    def bucket(self, b: int) -> int:
+        return max(bisect.bisect_right(self.los, b) - 1, 0)
+
+    # ---- learning ----------------------------------------------------------------------
+    def observe(self, rec) -> None:
+        """Learn from one finished step."""
+        if rec.drafted_pp:
+            self.acc.observe(rec.drafted_pp, rec.accepted_pp)
+        exploring = self.burst is not None
+        if rec.b <= 0 or rec.period_s is None or rec.catch_up:
+            self.tally.add(rec, None, exploring)
+            return
+        j = self.bucket(rec.b)
+        pre = max(rec.tokens - rec.b - rec.drafts, 0)
+        self.b_mean[j] += 0.05 * (rec.b - self.b_mean[j])
+        self.ctx_per_req[j] += 0.05 * (rec.ctx / rec.b - self.ctx_per_req[j])
+        self.pre_per_step[j] += 0.05 * (pre - self.pre_per_step[j])
+        kv = rec.drafts / rec.b
+        x = features(rec.b, rec.ctx, kv, rec.k_next, pre)
+        t, predicted = rec.period_s, None
+        if self.cost.ready(self.cap):
+            t_hat = self.cost.predict(x)
+            if t_hat is not None and t_hat > 0:
+                t = min(max(t, t_hat / CLIP), t_hat * CLIP)
+                predicted = (rec.b * self.acc.expected_length(round(kv)), t_hat)
+        self.tally.add(rec, predicted, exploring)
+        self.cost.observe(x, t, rec.k_next, kv)
+        if round(kv) == rec.k_next:  # a steady step: a direct measurement of bucket j at this k
+            cell = self.measured.setdefault((j, rec.k_next), [0.0, 0.0, 0.0])
+            for i, v in enumerate((rec.b, t, 1.0)):
+                cell[i] = cell[i] * MEASURED_DECAY + v
+        self._since_fit += 1
+
+    def predicted_rates(self, j: int) -> list[float] | None:
+        """Predicted tokens per second of bucket j at each steady k in 0..cap (None before a fit).
+
+        A step never gets cheaper with more drafts, so predicted times are made
+        non-decreasing in k (a rarely seen k cannot look cheaper than k=0 by fit noise).
+        """
+        b = self.b_mean[j]
+        times = [self.cost.predict(features(b, self.ctx_per_req[j] * b, k, k, self.pre_per_step[j])) for k in range(self.cap + 1)]
+        if any(t is None for t in times):
+            return None
+        times = list(np.maximum.accumulate(times))
+        if times[0] <= 0:
+            return None
+        rates = [b * self.acc.expected_length(k) / t for k, t in enumerate(times)]
+        cells = {k: c for (jj, k), c in self.measured.items() if jj == j and k <= self.cap and c[1] > 0}
+        seen = {k: c[0] * self.acc.expected_length(k) / c[1] for k, c in cells.items()}  # priced with the acceptance of now
+        scale = seen[0] / rates[0] if 0 in seen and cells[0][2] >= MIN_MEASURED else 1.0  # the model, calibrated on k=0 here
+        out = []
+        for k, r in enumerate(rates):
+            n = cells[k][2] if k in seen else 0.0
+            out.append((n * seen.get(k, 0.0) + PRIOR_STEPS * r * scale) / (n + PRIOR_STEPS))  # measured, shrunk to the model
+        return out
+
+    def decide(self) -> None:
+        """Refit the cost model and re-choose every bucket's k."""
+        self._since_fit = 0
+        if not self.cost.ready(self.cap):
+            return
+        self.cost.fit()
+        for j in range(len(self.ranges)):
+            rates = self.predicted_rates(j)
+            if rates is None:
+                continue
+            best = max(range(len(rates)), key=rates.__getitem__)
+            if rates[best] <= rates[0] * (1.0 + self.settings.min_gain):
+                best = 0  # speculate only where it is predicted to pay by a margin: never lose to k=0
+            cur = min(self.choice[j], self.cap)
+            if best == 0 or rates[best] > rates[cur] * (1.0 + self.settings.min_gain):
+                cur = best
+            self.choice[j] = cur
+
+    # ---- acting ------------------------------------------------------------------------
+    def _explore(self, j: int) -> None:
+        """Maybe start a burst of another k in bucket j."""
+        ready, explore = self.cost.ready(self.cap), self.settings.explore
+        if self.cap == 0 or explore == 0:
+            return
+        if ready and self.rng.random() >= explore / max(self.settings.explore_steps, 1):
+            return
+        others = [k for k in range(self.cap + 1) if k != self.choice[j]]
+        if not others:
+            return
+        if ready:
+            self.burst = [j, self.rng.choice(others), self.settings.explore_steps]
+        else:
+            k = min(range(self.cap + 1), key=lambda k: (self.cost.seen(k), self.rng.random()))
+            self.burst = [None, k, self.settings.explore_steps]
+
+    def lookup(self) -> list[int]:
+        ks = [min(k, self.cap) for k in self.choice]
+        if self.burst is not None:
+            for j in range(len(ks)) if self.burst[0] is None else [self.burst[0]]:
+                ks[j] = self.burst[1]
+        return lookup_from(self.ranges, ks)
+
+    def step(self, rec, b_next: int) -> list[int] | None:
+        """Learn from ``rec`` (the step that just finished); ``b_next``: the batch of the step starting now.
+
+        Returns the lookup to push to the scheduler, or None when it is unchanged.
+        """
+        self.observe(rec)
+        if self.burst is not None:
+            self.burst[2] -= 1
+            if self.burst[2] <= 0 or self.burst[0] not in (None, self.bucket(b_next)):
+                self.burst = None
+                self.decide()
+        if self._since_fit >= REFIT_EVERY:
+            self.decide()
+        if self.burst is None and b_next > 0:
+            self._explore(self.bucket(b_next))
+        new = self.lookup()
+        if new == self.pushed:
+            return None
+        self.pushed = new
+        return new
+
+    def set_cap(self, k: int) -> list[int]:
+        """Never choose more than k (0: speculation off); returns the lookup to push."""
+        self.cap, self.burst = int(k), None
+        self.pushed = self.lookup()
+        return self.pushed
+
+    def report(self) -> dict:
+        """Decisions and the tally since the last report (which it resets)."""
+        out = {
+            "buckets": [[lo, hi, min(k, self.cap)] for (lo, hi), k in zip(self.ranges, self.choice)],
+            "ready": self.cost.ready(self.cap),
+            "cap": self.cap,
+            "acceptance": self.acc.probs()[: max(self.cap, 1)],
+            **self.tally.report(),
+        }
+        self.tally.reset()
+        return out

@@ -1,0 +1,252 @@
+"""Run-time k on real engines: k set while the engine runs takes effect, and stays lossless.
+
+Engines (module-scoped):
+
+* ``eng_none``      no speculation: the greedy and temperature-1 references;
+* ``eng_fixed``     draft_model, speculation_control ``fixed`` (k settable, k=0 fast path), k_max 3;
+* ``eng_adaptive``  the same with the adaptive controller (k_max 4, exploring a lot);
+* ``eng_async``     ``fixed`` on the async engine (engine core in another process).
+
+Every engine with run-time k passed the start-up self-check to get here.
+Lossless is checked three ways while k changes between calls and within
+them (a per-step cycle of k, in and out of the fast path): greedy tokens,
+sampled log-probs against transformers, and the temperature-1 distribution.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import DIST_PROMPT, DIST_TOKENS, dist_samples, draft_spec, hf_token_logprobs, position_test, start_engine
+from rl_specdec.errors import ConfigError
+from rl_specdec.generation import SamplingSettings
+from rl_specdec.spec_decode import compute_spec_decode_metrics
+from rl_specdec.spec_decode.counters import DRAFT_TOKENS, DRAFTS
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 40
+GREEDY = SamplingSettings(max_tokens=MAX_TOKENS, temperature=0.0)
+CYCLE = [0, 3, 0, 0, 2, 1, 0, 3, 3, 0]  # k per engine step: in and out of the fast path all the time
+
+
+def _engine(request, toy, spec, **kw):
+    g = start_engine(toy.policy, spec, **kw)
+    request.addfinalizer(g.shutdown)
+    return g
+
+
+@pytest.fixture(scope="module")
+def eng_none(request, local_ray, toy):
+    return _engine(request, toy, None)
+
+
+@pytest.fixture(scope="module")
+def eng_fixed(request, local_ray, toy):
+    return _engine(request, toy, draft_spec(toy.drafter), control={"mode": "fixed"})
+
+
+@pytest.fixture(scope="module")
+def eng_adaptive(request, local_ray, toy):
+    return _engine(request, toy, draft_spec(toy.drafter), control={"mode": "adaptive", "k_max": 4, "explore": 0.3})
+
+
+@pytest.fixture(scope="module")
+def eng_async(request, local_ray, toy):
+    from rl_specdec.generation.group import AsyncVllmGeneration
+
+    return _engine(request, toy, draft_spec(toy.drafter), control={"mode": "fixed"}, group_cls=AsyncVllmGeneration)
+
+
+@pytest.fixture(scope="module")
+def none_greedy(eng_none, task_prompts):
+    return eng_none.generate(task_prompts, GREEDY).token_ids
+
+
+@pytest.fixture(scope="module")
+def plain_samples(eng_none, tokenizer):
+    return dist_samples(eng_none, tokenizer, seed=1000)
+
+
+def debug(g, **kw) -> dict:
+    return g.engine_rpc("rl_specdec_spec_debug", **kw)[0]
+
+
+def drafts_per_draft(out) -> float:
+    c = out.spec_counters
+    return c.get(DRAFT_TOKENS, 0.0) / c[DRAFTS] if c.get(DRAFTS) else 0.0
+
+
+# ---- k set at run time takes effect -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["eng_fixed", "eng_async"])
+def test_a_k_set_at_run_time_takes_effect(request, name, task_prompts):
+    """Per-request counters: every draft of the call has exactly the k that was set; k=0 drafts nothing, all steps plain."""
+    g = request.getfixturevalue(name)
+    sampling = SamplingSettings(max_tokens=MAX_TOKENS, temperature=1.0, seed=4)
+    try:
+        for k in (3, 1, 0, 2):
+            g.set_speculation(k)
+            out = g.generate(task_prompts * 2, sampling)
+            if k == 0:
+                assert out.spec_counters.get(DRAFT_TOKENS, 0.0) == 0.0, out.spec_counters
+                (report,) = out.spec_control
+                assert report["plain_steps"] == report["steps"] > 0, report
+            else:
+                assert out.spec_counters[DRAFTS] > 0
+                assert drafts_per_draft(out) == k, (k, out.spec_counters)
+                assert out.spec_control[0]["buckets"][0][2] == k
+    finally:
+        g.set_speculation(3)
+
+
+@pytest.mark.parametrize("name", ["eng_fixed", "eng_async"])
+def test_k_changes_within_one_call(request, name, task_prompts):
+    """k=1, then k=3 after six engine steps, inside one generate call: the call's drafts mix both."""
+    g = request.getfixturevalue(name)
+    try:
+        g.set_speculation(1)
+        debug(g, plan=[(6, 3)])
+        out = g.generate(task_prompts * 2, SamplingSettings(max_tokens=MAX_TOKENS, temperature=1.0, seed=5))
+        assert 1.0 < drafts_per_draft(out) < 3.0, out.spec_counters
+    finally:
+        debug(g, plan=[])
+        g.set_speculation(3)
+
+
+def test_speculation_control_needs_run_time_k(eng_none):
+    with pytest.raises(RuntimeError, match="speculation_control.mode to fixed or adaptive"):
+        eng_none.set_speculation(0)
+
+
+# ---- lossless while k changes ------------------------------------------------------------------
+
+
+def test_greedy_with_k_cycling_every_step_equals_no_speculation(eng_fixed, task_prompts, none_greedy):
+    stats0 = debug(eng_fixed, cycle=CYCLE)["stats"]
+    try:
+        out = eng_fixed.generate(task_prompts * 4, GREEDY)
+    finally:
+        stats1 = debug(eng_fixed, cycle=None)["stats"]
+    assert out.token_ids == none_greedy * 4
+    assert stats1["plain_steps"] > stats0["plain_steps"] and stats1["catch_up_tokens"] > stats0["catch_up_tokens"]
+
+
+def test_temperature_one_with_k_changing_between_and_within_calls(eng_fixed, plain_samples, tokenizer, hf_policy):
+    """400 samples from four calls: k=3, k=0 (the fast path), k cycling every step, k=2 then 3 within the call."""
+    prompt = tokenizer.encode(DIST_PROMPT)
+    samples, logprobs = [], []
+    setups = [(3, {}), (0, {}), (3, {"cycle": CYCLE}), (2, {"plan": [(4, 3)]})]
+    try:
+        for i, (k, hooks) in enumerate(setups):
+            eng_fixed.set_speculation(k)
+            debug(eng_fixed, **hooks)
+            out = eng_fixed.generate([prompt] * 100, SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=2000 + 100 * i))
+            debug(eng_fixed, cycle=None, plan=[])
+            samples += out.token_ids
+            logprobs += list(zip(out.token_ids, out.logprobs))
+    finally:
+        eng_fixed.set_speculation(3)
+    p, per_pos = position_test(plain_samples, samples)
+    assert p > 1e-3, f"k changed at run time changes what is sampled (adjusted p={p:.2e}; per position {per_pos})"
+    worst = max(float(np.max(np.abs(np.array(lp) - np.array(hf_token_logprobs(hf_policy, prompt, ids))))) for ids, lp in logprobs[::8])
+    assert worst < 1e-4, f"sampled log-probs differ from the policy's: {worst:.2e}"
+
+
+# ---- the drafter catch-up -----------------------------------------------------------------------
+
+
+def _first_drafts(g, prompts, first_k: int, catch_up: bool = True, max_tokens: int = 1 << 30):
+    """Greedy run: k=first_k for 8 engine steps, then 3; returns (tokens, {prompt: {position: first draft}})."""
+    debug(g, catch_up=catch_up, max_catch_up_tokens=max_tokens, record_drafts=True, plan=[(8, 3)] if first_k != 3 else [])
+    g.set_speculation(first_k)
+    out = g.generate(prompts, GREEDY)
+    rec = debug(g, record_drafts=False, catch_up=True, max_catch_up_tokens=1 << 30, plan=[])["first_drafts"]
+    g.set_speculation(3)
+    return out.token_ids, {tuple(p): dict(d) for p, d in rec}
+
+
+def _agreement(ref: dict, test: dict) -> tuple[int, int]:
+    from rl_specdec.generation.engine.selfcheck import agreement
+
+    return agreement(ref, test)
+
+
+def test_catch_up_restores_the_drafter(eng_fixed, tokenizer):
+    """After 8 plain steps the caught-up drafter proposes what a drafter that ran every step proposes.
+
+    The first draft of a verify step is the drafter's argmax given the true prefix. Negative control:
+    without the catch-up the drafter's KV has holes and its first drafts differ.
+    """
+    from rl_specdec.environments.sorting import SortingTask
+
+    prompts = [tokenizer.encode(s.prompt) for s in SortingTask(min_len=14, max_len=24).make_batch(seed=7, n=32)]
+    ref_tokens, ref = _first_drafts(eng_fixed, prompts, 3)
+    runs = {
+        "catch-up": _first_drafts(eng_fixed, prompts, 0),
+        "catch-up in pieces of <= 7 tokens": _first_drafts(eng_fixed, prompts, 0, max_tokens=7),
+        "no catch-up": _first_drafts(eng_fixed, prompts, 0, catch_up=False),
+    }
+    for name, (tokens, _) in runs.items():
+        assert tokens == ref_tokens, name
+    for name in ("catch-up", "catch-up in pieces of <= 7 tokens"):
+        same, total = _agreement(ref, runs[name][1])
+        assert total >= 50 and same == total, (name, same, total)
+    same, total = _agreement(ref, runs["no catch-up"][1])
+    assert total >= 50 and same < 0.95 * total, f"without catch-up the drafts should differ: {same}/{total}"
+
+
+def test_the_self_check_fails_loudly_without_catch_up(eng_fixed):
+    """The start-up self-check passes on this vLLM, and fails (naming the fallback switch) when the catch-up is broken."""
+    eng_fixed.check_spec_control()
+    debug(eng_fixed, catch_up=False)
+    try:
+        with pytest.raises(ConfigError, match="k0_fast_path=false") as e:
+            eng_fixed.check_spec_control()
+        assert "first drafts agree" in str(e.value)
+    finally:
+        debug(eng_fixed, catch_up=True)
+        eng_fixed.set_speculation(3)
+
+
+# ---- the adaptive controller --------------------------------------------------------------------
+
+
+def test_adaptive_controller_decides_and_stays_lossless(eng_adaptive, task_prompts, none_greedy, plain_samples, tokenizer):
+    reports = []
+    for _ in range(6):
+        out = eng_adaptive.generate(task_prompts * 8, GREEDY)
+        assert out.token_ids == none_greedy * 8
+        reports += out.spec_control
+    last = reports[-1]
+    assert last["mode"] == "adaptive" and last["ready"], last
+    assert len(last["buckets"]) == 7 and all(0 <= k <= 4 for _, _, k in last["buckets"])
+    assert last["predicted_tokens_per_s"] > 0 and last["realised_tokens_per_s"] > 0
+    assert sum(r["explore_steps"] for r in reports) > 0
+    p, per_pos = position_test(plain_samples, dist_samples(eng_adaptive, tokenizer, seed=2500))
+    assert p > 1e-3, f"the controller's k changes what is sampled (adjusted p={p:.2e}; per position {per_pos})"
+
+
+def test_the_canary_disable_path_makes_the_next_call_draft_nothing(eng_adaptive, task_prompts):
+    from pathlib import Path
+
+    from rl_specdec.algorithms.drafter_upkeep import DrafterUpkeep
+    from rl_specdec.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    overrides = ["policy.generation.acceptance_canary.action=disable", "policy.generation.speculation_control.mode=adaptive"]
+    upkeep = DrafterUpkeep(load_config(root / "configs/grpo_spec.yaml", overrides, resolve_models=False))
+    sampling = SamplingSettings(max_tokens=MAX_TOKENS, temperature=1.0, seed=6)
+    healthy = compute_spec_decode_metrics(None, eng_adaptive.generate(task_prompts, sampling).spec_counters)
+    assert healthy["spec_decode/num_draft_tokens"] > 0
+    for _ in range(3):
+        assert upkeep.check(healthy, eng_adaptive) == {"spec_decode/canary": 0.0}
+    collapsed = {**healthy, "spec_decode/acceptance_rate": 0.01}
+    assert upkeep.check(collapsed, eng_adaptive) == {"spec_decode/canary": 1.0}
+    out = eng_adaptive.generate(task_prompts * 4, sampling)
+    assert out.spec_counters.get(DRAFT_TOKENS, 0.0) == 0.0, out.spec_counters
+    (report,) = out.spec_control
+    assert report["plain_steps"] == report["steps"] > 0 and report["explore_steps"] == 0
+    assert [k for _, _, k in report["buckets"]] == [0] * 7

@@ -1,0 +1,145 @@
+"""The adaptive controller's choice logic, on synthetic engines (pure logic: no vLLM, no Ray).
+
+A synthetic engine replays generate calls whose batch shrinks from 128 to 1 as
+rollouts finish. Each step's wall time comes from a cost table t(b, k_verify,
+k_next) (ms, with noise) and its acceptance from P_i = p^i; the controller
+sees nothing but the step records a real engine writes, and sets the lookup
+the next steps run with. Tables:
+
+* ``DEAR``: verification costs as much as decoding (a compute-bound CPU at
+  any batch): k=0 everywhere is best;
+* ``CHEAP``: verifying and drafting are nearly free next to the fixed cost of
+  a step (a memory-bound GPU at small batch): k_max everywhere is best;
+* ``CPU``: the step-cost model fitted on this project's CPU (spike 14):
+  k>0 pays only at small batch.
+
+Negative controls: the same controller fed the dear table lands on 0 and fed
+the cheap one on k_max (the decision follows the costs, not a default); with
+a useless drafter (acceptance 0) even the cheap table gives 0; without
+exploration the controller cannot leave its initial lookup.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+
+import numpy as np
+
+from rl_specdec.generation.engine.controller import ControlSettings, Controller, bucket_ranges, features, lookup_from
+from rl_specdec.generation.engine.fastpath import StepRecord
+
+K = 4
+MAX_BATCH = 256
+
+
+def DEAR(b, kv, kn):
+    return 0.5 + 1.0 * b * (1 + kv) + (kn > 0) * (1.0 + 0.05 * b) + kn * (0.5 + 0.03 * b)
+
+
+def CHEAP(b, kv, kn):
+    return 10.0 + 0.01 * b * (1 + kv) + (kn > 0) * 0.2 + kn * 0.1
+
+
+def CPU(b, kv, kn):  # spike 14's fit: a + c_r b + [k>0](s0 + s1 b) + k (d0 + c_v b), split into verify and draft halves
+    return 3.6 + 0.257 * b + (kv > 0) * (1.0 + 0.02 * b) + kv * 0.09 * b + (kn > 0) * (0.94 + 0.02 * b) + kn * (1.21 + 0.082 * b)
+
+
+def settings(**kw):
+    return ControlSettings(k_max=K, max_batch=MAX_BATCH, **{"explore": 0.05, "seed": 1, **kw})
+
+
+def run(table, p_accept=0.8, calls=40, initial_k=2, ctl=None, seed=0, **kw):
+    """Replay ``calls`` generate calls on a synthetic engine; returns the controller."""
+    rng = random.Random(seed)
+    nrng = np.random.default_rng(seed)
+    s = settings(**kw)
+    ctl = ctl or Controller(s, lookup_from(bucket_ranges(s.buckets, MAX_BATCH), [initial_k] * len(s.buckets)))
+    lookup = list(ctl.pushed)
+    for _ in range(calls):
+        lengths = sorted(int(8 + 120 * rng.random() ** 3) for _ in range(128))  # a long tail of rollouts
+        step, kv, ctx, prev = 0, 0, 0, None
+        while True:
+            b = len(lengths) - bisect.bisect_right(lengths, step)
+            if b == 0:
+                break
+            kn = lookup[b]
+            t = table(b, kv, kn) * 1e-3 * math.exp(rng.gauss(0, 0.1))
+            acc = [int(nrng.binomial(b, p_accept ** (i + 1))) for i in range(kv)]
+            rec = StepRecord(b=b, tokens=b * (1 + kv), drafts=b * kv, k_verify=kv, k_next=kn, ctx=ctx, plain=kv == kn == 0,
+                             continuing=True, emitted=b + sum(acc), drafted_pp=[b] * kv or None,
+                             accepted_pp=acc or None, period_s=t)
+            if prev is not None:
+                new = ctl.step(prev, b)
+                lookup = new if new is not None else lookup
+            prev, kv, ctx = rec, kn, ctx + b * (1 + kn)
+            step += 1 + kn // 2
+    return ctl
+
+
+def chosen(ctl) -> list[int]:
+    return [k for _, _, k in ctl.report()["buckets"]]
+
+
+def test_dear_verification_picks_zero_everywhere():
+    assert chosen(run(DEAR)) == [0] * 7
+
+
+def test_cheap_verification_picks_k_max_everywhere():
+    assert chosen(run(CHEAP)) == [K] * 7
+
+
+def test_useless_drafter_picks_zero_even_when_verification_is_cheap():
+    assert chosen(run(CHEAP, p_accept=0.0)) == [0] * 7
+
+
+def oracle_rates(table, p, b):
+    """True tokens per ms at batch b for each steady k."""
+    return [b * (1 + sum(p ** i for i in range(1, k + 1))) / table(b, k, k) for k in range(K + 1)]
+
+
+def test_cpu_costs_speculate_at_small_batch_and_choose_near_the_best_k():
+    ctl = run(CPU, p_accept=0.85, calls=80)
+    ks = chosen(ctl)
+    for j, k in enumerate(ks):
+        rates = oracle_rates(CPU, 0.85, ctl.b_mean[j])
+        assert rates[k] >= 0.97 * max(rates), (j, ks, rates)
+    assert ks[0] >= 3 and ks[-1] <= 2, ks
+    assert all(a >= b for a, b in zip(ks, ks[1:])), f"k should not grow with the batch: {ks}"
+
+
+def test_without_exploration_it_cannot_leave_its_initial_lookup():
+    """Negative control: the results above come from measured costs, not from a default."""
+    assert chosen(run(DEAR, explore=0.0, initial_k=3)) == [3] * 7
+
+
+def test_it_readapts_when_acceptance_collapses():
+    ctl = run(CHEAP, p_accept=0.9)
+    assert chosen(ctl) == [K] * 7
+    run(CHEAP, p_accept=0.0, ctl=ctl, calls=60, seed=1)
+    assert chosen(ctl) == [0] * 7
+
+
+def test_predictions_track_what_the_engine_realises():
+    ctl = run(CPU, p_accept=0.85, calls=60)
+    run(CPU, p_accept=0.85, ctl=ctl, calls=1, seed=5)
+    r = ctl.report()  # the last call only
+    assert r["ready"] and r["timed_steps"] > 50
+    assert abs(r["predicted_tokens_per_s"] / r["realised_tokens_per_s"] - 1) < 0.15, r
+
+
+def test_cap_zero_turns_speculation_off_and_stops_exploring():
+    ctl = run(CHEAP, calls=10)
+    assert set(ctl.set_cap(0)) == {0}
+    ctl.report()
+    run(CHEAP, ctl=ctl, calls=3)
+    assert set(ctl.pushed) == {0} and ctl.report()["explore_steps"] == 0
+
+
+def test_buckets_cover_every_batch_size_once():
+    ranges = bucket_ranges((1, 2, 4, 8, 16, 32, 64), 100)
+    assert ranges[0] == (1, 1) and ranges[-1] == (64, 100)
+    assert all(hi + 1 == lo for (_, hi), (lo, _) in zip(ranges, ranges[1:]))
+    lk = lookup_from(ranges, [5, 4, 3, 2, 1, 0, 0])
+    assert len(lk) == 101 and lk[1] == 5 and lk[3] == 4 and lk[63] == 0 and lk[31] == 1
