@@ -1,6 +1,6 @@
 """What speculation buys in RL, measured side by side in one run.
 
-    python benchmarks/bench.py --quick            # < 5 min on 2 cores: every table, small
+    python benchmarks/bench.py --quick            # about 8 min on 2 cores: every table, small
     python benchmarks/bench.py --seeds 0,1        # the full results of docs/performance.md (~1.5 h)
     python benchmarks/bench.py --sections grpo    # one part; see --help
 
@@ -489,7 +489,7 @@ def header() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="every section, small: finishes in under 5 minutes on 2 cores")
+    p.add_argument("--quick", action="store_true", help="every section, small: about 8 minutes on 2 cores (462 s measured)")
     p.add_argument("--out", default="results/bench", help="results folder (report.md, *.json, *.png)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--variants", default=None, help=f"GRPO variants (default: all; --quick: {','.join(QUICK_VARIANTS)}); from: {'; '.join(GRPO_VARIANTS)}")
