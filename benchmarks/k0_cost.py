@@ -16,7 +16,6 @@ ratios::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -59,7 +58,7 @@ def measure(engines: dict, tok, batch: int, rounds: int, seed: int, max_tokens: 
         order = names[r % len(names):] + names[: r % len(names)]
         for n in order:
             t0 = time.perf_counter()
-            engines[n].generate(prompts, dataclasses.replace(sampling))
+            engines[n].generate(prompts, sampling)
             if r >= 0:
                 times[n].append(time.perf_counter() - t0)
     return times

@@ -156,6 +156,13 @@ def start_engine(policy_path, spec: dict[str, Any] | None, *, num_engines: int =
     return (group_cls or VllmGeneration)(str(policy_path), cfg, cluster=cluster)
 
 
+def module_engine(request, toy, spec, **kw):
+    """start_engine on the toy policy, shut down when the requesting (module-scoped) fixture ends."""
+    g = start_engine(toy.policy, spec, **kw)
+    request.addfinalizer(g.shutdown)
+    return g
+
+
 def wait_until(cond, timeout: float = 15.0, every: float = 0.2) -> bool:
     """Poll ``cond()`` until it is true or ``timeout`` seconds pass; returns its last value."""
     import time

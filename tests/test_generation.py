@@ -32,6 +32,7 @@ from conftest import (
     draft_spec,
     hf_greedy,
     hf_token_logprobs,
+    module_engine,
     position_test,
     start_engine,
     wait_until,
@@ -51,40 +52,34 @@ GREEDY = SamplingSettings(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
 # ---- engines ---------------------------------------------------------------------------
 
 
-def _engine(request, toy, spec, **kw):
-    g = start_engine(toy.policy, spec, **kw)
-    request.addfinalizer(g.shutdown)
-    return g
-
-
 @pytest.fixture(scope="module")
 def eng_none(request, local_ray, toy):
-    return _engine(request, toy, None)
+    return module_engine(request, toy, None)
 
 
 @pytest.fixture(scope="module")
 def eng_ngram(request, local_ray, toy):
-    return _engine(request, toy, NGRAM)
+    return module_engine(request, toy, NGRAM)
 
 
 @pytest.fixture(scope="module")
 def eng_draft(request, local_ray, toy):
-    return _engine(request, toy, draft_spec(toy.drafter))
+    return module_engine(request, toy, draft_spec(toy.drafter))
 
 
 @pytest.fixture(scope="module")
 def eng_self(request, local_ray, toy):
-    return _engine(request, toy, draft_spec(toy.policy))
+    return module_engine(request, toy, draft_spec(toy.policy))
 
 
 @pytest.fixture(scope="module")
 def eng_nofix(request, local_ray, toy):
-    return _engine(request, toy, draft_spec(toy.drafter), env_vars={"RL_SPECDEC_DISABLE_CPU_FIX": "1"})
+    return module_engine(request, toy, draft_spec(toy.drafter), env_vars={"RL_SPECDEC_DISABLE_CPU_FIX": "1"})
 
 
 @pytest.fixture(scope="module")
 def eng_pair(request, local_ray, toy):
-    return _engine(request, toy, NGRAM, num_engines=2, cpus_per_engine=1)
+    return module_engine(request, toy, NGRAM, num_engines=2, cpus_per_engine=1)
 
 
 @pytest.fixture(scope="module")

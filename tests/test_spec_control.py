@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import DIST_PROMPT, DIST_TOKENS, dist_samples, draft_spec, hf_token_logprobs, position_test, start_engine
+from conftest import DIST_PROMPT, DIST_TOKENS, dist_samples, draft_spec, hf_token_logprobs, module_engine, position_test
 from rl_specdec.errors import ConfigError
 from rl_specdec.generation import SamplingSettings
 from rl_specdec.spec_decode import compute_spec_decode_metrics
@@ -31,32 +31,26 @@ GREEDY = SamplingSettings(max_tokens=MAX_TOKENS, temperature=0.0)
 CYCLE = [0, 3, 0, 0, 2, 1, 0, 3, 3, 0]  # k per engine step: in and out of the fast path all the time
 
 
-def _engine(request, toy, spec, **kw):
-    g = start_engine(toy.policy, spec, **kw)
-    request.addfinalizer(g.shutdown)
-    return g
-
-
 @pytest.fixture(scope="module")
 def eng_none(request, local_ray, toy):
-    return _engine(request, toy, None)
+    return module_engine(request, toy, None)
 
 
 @pytest.fixture(scope="module")
 def eng_fixed(request, local_ray, toy):
-    return _engine(request, toy, draft_spec(toy.drafter), control={"mode": "fixed"})
+    return module_engine(request, toy, draft_spec(toy.drafter), control={"mode": "fixed"})
 
 
 @pytest.fixture(scope="module")
 def eng_adaptive(request, local_ray, toy):
-    return _engine(request, toy, draft_spec(toy.drafter), control={"mode": "adaptive", "k_max": 4, "explore": 0.3})
+    return module_engine(request, toy, draft_spec(toy.drafter), control={"mode": "adaptive", "k_max": 4, "explore": 0.3})
 
 
 @pytest.fixture(scope="module")
 def eng_async(request, local_ray, toy):
     from rl_specdec.generation.group import AsyncVllmGeneration
 
-    return _engine(request, toy, draft_spec(toy.drafter), control={"mode": "fixed"}, group_cls=AsyncVllmGeneration)
+    return module_engine(request, toy, draft_spec(toy.drafter), control={"mode": "fixed"}, group_cls=AsyncVllmGeneration)
 
 
 @pytest.fixture(scope="module")
