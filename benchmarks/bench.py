@@ -81,7 +81,7 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     "draft adaptive": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=adaptive", f"{CONTROL}.k_max=4"]),
     # the long-tail workload (issue 14): its own baseline, a fixed k, vLLM's static schedule, the controller
     "longtail base": ("configs/grpo_base_longtail.yaml", []),
-    "longtail k=4": ("configs/grpo_spec_longtail.yaml", [f"{CONTROL}.mode=off"]),
+    "longtail k=4": ("configs/grpo_spec_longtail.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens_per_batch_size=null"]),
     "longtail schedule": (
         "configs/grpo_spec_longtail.yaml",
         [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=6", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,6],[17,64,3],[65,1024,2]]"],
@@ -90,7 +90,7 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         "configs/grpo_spec_longtail.yaml",
         [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,4],[17,1024,0]]"],
     ),
-    "longtail adaptive": ("configs/grpo_spec_longtail.yaml", []),
+    "longtail adaptive": ("configs/grpo_spec_longtail.yaml", [f"{CONTROL}.mode=adaptive", f"{SPEC}.num_speculative_tokens_per_batch_size=null"]),
     "ngram k=3": ("configs/grpo_spec.yaml", [f"{SPEC}.method=ngram", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null", f"{SPEC}.prompt_lookup_max=3", f"{SPEC}.prompt_lookup_min=1"]),
     "suffix k=3": ("configs/grpo_spec.yaml", [f"{SPEC}.method=suffix", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null"]),
     "schedule 2x1": (
