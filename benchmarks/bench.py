@@ -1,6 +1,6 @@
 """What speculation buys in RL, measured side by side in one run.
 
-    python benchmarks/bench.py --quick            # about 8 min on 2 cores: every table, small
+    python benchmarks/bench.py --quick            # under 5 min on 2 cores: rollout and GRPO tables, small
     python benchmarks/bench.py --seeds 0,1        # the full results of docs/performance.md (~1.5 h)
     python benchmarks/bench.py --sections grpo    # one part; see --help
 
@@ -81,7 +81,7 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     "draft adaptive": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=adaptive", f"{CONTROL}.k_max=4"]),
     # the long-tail workload (issue 14): its own baseline, a fixed k, vLLM's static schedule, the controller
     "longtail base": ("configs/grpo_base_longtail.yaml", []),
-    "longtail k=4": ("configs/grpo_spec_longtail.yaml", [f"{CONTROL}.mode=off"]),
+    "longtail k=4": ("configs/grpo_spec_longtail.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens_per_batch_size=null"]),
     "longtail schedule": (
         "configs/grpo_spec_longtail.yaml",
         [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=6", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,6],[17,64,3],[65,1024,2]]"],
@@ -90,7 +90,7 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         "configs/grpo_spec_longtail.yaml",
         [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,4],[17,1024,0]]"],
     ),
-    "longtail adaptive": ("configs/grpo_spec_longtail.yaml", []),
+    "longtail adaptive": ("configs/grpo_spec_longtail.yaml", [f"{CONTROL}.mode=adaptive", f"{SPEC}.num_speculative_tokens_per_batch_size=null"]),
     "ngram k=3": ("configs/grpo_spec.yaml", [f"{SPEC}.method=ngram", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null", f"{SPEC}.prompt_lookup_max=3", f"{SPEC}.prompt_lookup_min=1"]),
     "suffix k=3": ("configs/grpo_spec.yaml", [f"{SPEC}.method=suffix", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null"]),
     "schedule 2x1": (
@@ -110,7 +110,8 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     "grpo_spec drafter online": ("configs/grpo_spec.yaml", [drafter_life.ONLINE]),
     "grpo_spec drafter light": ("configs/grpo_spec.yaml", drafter_life.LIGHT),
 }
-QUICK_VARIANTS = ["grpo_base", "grpo_spec"]
+QUICK_VARIANTS = ["grpo_base", "draft adaptive", "longtail base", "longtail adaptive"]
+QUICK_SECTIONS = ("rollout", "grpo")  # --quick: staleness and peer only when asked for (--sections)
 TRAINER_VARIANTS = {"grpo_spec policy 2x"}  # change the trainer, not the rollouts: kept out of the speculation verdicts
 # the drafter trains beside the policy on the same cores: their train phase differs by design, not by chance
 DRAFTER_VARIANTS = {"grpo_spec drafter online", "grpo_spec drafter light"}
@@ -489,11 +490,11 @@ def header() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="every section, small: about 8 minutes on 2 cores (462 s measured)")
+    p.add_argument("--quick", action="store_true", help="small: the rollout and GRPO sections (both tasks, no speculation and the controller), 4 steps; under 5 minutes on 2 cores with the toy models built")
     p.add_argument("--out", default="results/bench", help="results folder (report.md, *.json, *.png)")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
-    p.add_argument("--variants", default=None, help=f"GRPO variants (default: all; --quick: {','.join(QUICK_VARIANTS)}); from: {'; '.join(GRPO_VARIANTS)}")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps per variant (default: the config's 60; --quick 5)")
+    p.add_argument("--sections", default=None, help=f"comma-separated subset of {','.join(SECTIONS)} (default: all; --quick: {','.join(QUICK_SECTIONS)})")
+    p.add_argument("--variants", default=None, help=f"GRPO variants (default: all; --quick: {'; '.join(QUICK_VARIANTS)}); from: {'; '.join(GRPO_VARIANTS)}")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps per variant (default: 60; --quick 4)")
     p.add_argument("--report-only", action="store_true", help="rebuild the tables and plots from the runs already in --out (runs nothing)")
     p.add_argument("--resume", action="store_true", help="reuse the runs in --out that finished with the same settings (an interrupted benchmark picks up where it stopped)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds; every GRPO variant runs once per seed and the tables give the mean and each seed (full results: 0,1)")
@@ -503,7 +504,7 @@ def main(argv=None) -> int:
     rollout_parser = argparse.ArgumentParser(add_help=False)
     rollout.add_args(rollout_parser)
     args = p.parse_args(argv)
-    sections = [s for s in args.sections.split(",") if s]
+    sections = [s for s in (args.sections or ",".join(QUICK_SECTIONS if args.quick else SECTIONS)).split(",") if s]
     for s in sections:
         if s not in SECTIONS:
             p.error(f"--sections: unknown section {s!r}; choose from {', '.join(SECTIONS)}")
@@ -517,7 +518,7 @@ def main(argv=None) -> int:
     if ("peer" in sections or "staleness" in sections) and "grpo" not in sections:
         names = [n for n in names if n in ("grpo_base", "grpo_spec", "grpo_spec drafter online", "grpo_spec drafter light")]  # the rows peer and cost compare against
         sections = ["grpo", *sections]
-    steps = args.steps or (5 if args.quick else 60)
+    steps = args.steps or (4 if args.quick else 60)
     try:
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     except ValueError:
@@ -533,6 +534,10 @@ def main(argv=None) -> int:
     from rl_specdec.toy.build import build_toy_models
 
     build_toy_models(log=log)  # once, before anything is timed
+    if "grpo" in sections and any(GRPO_VARIANTS[n][0].endswith("_longtail.yaml") for n in names):
+        from rl_specdec.toy.longtail import build_longtail_models
+
+        build_longtail_models(log=log)
     report = [f"# rl_specdec benchmark{' (--quick)' if args.quick else ''}", "", f"_{head}_", ""]
     results: dict = {"header": head, "quick": args.quick}
 

@@ -152,6 +152,7 @@ def test_defaults_inheritance_and_interpolation(tmp_path):
         (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.buckets=[2,4]"], "speculation_control.buckets"),
         (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.explore=0.9"], "speculation_control.explore"),
         (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.explore_steps=0"], "speculation_control.explore_steps"),
+        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.min_gain=-0.1"], "speculation_control.min_gain"),
     ],
 )
 def test_bad_values_name_the_key(overrides, needle):

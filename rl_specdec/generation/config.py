@@ -50,6 +50,7 @@ class SpeculationControlConfig:
     buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # batch-size bucket lower bounds
     explore: float = 0.03  # fraction of steps that try another k (adaptive)
     explore_steps: int = 4  # steps per exploration burst
+    min_gain: float = 0.1  # a k>0 must be measured this much faster than k=0 in its bucket (adaptive)
     memory_steps: int = 200  # the step-cost model forgets with this horizon (steps)
     acceptance_memory: int = 2000  # the acceptance estimate forgets with this horizon (drafts)
 

@@ -76,6 +76,8 @@ def _check_numbers(c: SpeculationControlConfig, k: int) -> None:
         raise ConfigError(f"{KEY}.buckets={b} must be increasing batch sizes starting at 1, e.g. [1, 2, 4, 8, 16, 32, 64].")
     if not 0 <= c.explore <= 0.5:
         raise ConfigError(f"{KEY}.explore={c.explore} must be in [0, 0.5] (the fraction of steps that try another k; 0.03 is typical).")
+    if not 0 <= c.min_gain <= 1:
+        raise ConfigError(f"{KEY}.min_gain={c.min_gain} must be in [0, 1] (how much faster a k>0 must measure than k=0; 0.1 is the default).")
     for name, low in (("explore_steps", 1), ("memory_steps", 10), ("acceptance_memory", 10)):
         if getattr(c, name) < low:
             raise ConfigError(f"{KEY}.{name}={getattr(c, name)} must be >= {low}.")

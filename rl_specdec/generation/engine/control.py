@@ -46,6 +46,7 @@ class SpecControl:
             max_batch=len(self.initial) - 1,
             explore=control["explore"],
             explore_steps=control["explore_steps"],
+            min_gain=control["min_gain"],
             memory_steps=control["memory_steps"],
             acceptance_memory=control["acceptance_memory"],
             seed=control.get("seed", 0),

@@ -1,55 +1,44 @@
-"""The adaptive speculation controller: which k in 0..K emits the most tokens per second, per batch-size bucket.
+"""The adaptive speculation controller: which k in 0..K keeps the most tokens per second, per batch-size bucket.
 
-Pure logic (numpy, no vLLM): it is fed one :class:`~.fastpath.StepRecord` per
-engine step and answers with the scheduler's batch-size -> k lookup.
+Pure logic (numpy, no vLLM): fed one :class:`~.fastpath.StepRecord` per step, it answers with the k lookup.
 
-**What it learns.**
+**What it measures.** Per (bucket, k), decayed sums over the bucket's steps at
+that k (:meth:`Controller._measure`): the tokens the requests kept (not those
+accepted past a stop token or ``max_tokens``), the wall time, the requests and
+the E[L(k)] of the time. A step counts for the k it holds, the k it enters
+from k=0 (the drafter catch-up is that k's cost) and the k it leaves for k=0
+(its verification earns that k's tokens); a call's first step counts for none.
 
-* *Step cost*: the wall time of an engine step as a linear function of
-  features of the step, fitted by ridge least squares on relative errors in which each kind of
-  step (k verified, k drafted) forgets over its own last ``memory_steps``
-  steps::
+**What it models.**
+
+* *Step cost*: wall time, linear in the step's features, by ridge least squares
+  on relative errors; each kind of step (k verified, k drafted) forgets over
+  its own last ``memory_steps``::
 
       t = a + c_b b + c_C C + c_P P + [k_v>0](s + s_b b) + k_v (v_b b + v_C C)
             + [k_n>0](d + d_b b + d_P P) + k_n (e + e_b b + e_C C)
 
-  with b the scheduled requests, C their context tokens, P the prompt tokens
-  prefilled in the step beyond one per request (new requests join a running
-  batch all through a GRPO step; the drafter prefills them too when it
-  drafts), k_v the drafts verified per request in this step and k_n the
-  drafts made for the next (the target verifies k_v+1 tokens per request; the
-  drafter runs k_n passes). Transition steps (k_v != k_n) are as informative
-  as steady ones, so a few explored values of k price every k at every batch
-  size; predicted times are made non-decreasing in k. Steps with a drafter
-  catch-up or an idle gap before them are left out.
-* *Acceptance*: P_i, the chance that the first i drafts are all accepted, from
-  the per-position counts of every verify step (forgetting over
-  ``acceptance_memory`` drafts, so a drafter refit every step is followed).
-  E[L(k)] = 1 + P_1 + ... + P_k tokens per request per step.
+  with b the scheduled requests, C their context, P the prompt tokens
+  prefilled beyond one per request, k_v the drafts verified per request and
+  k_n the drafts made. Transition steps are as informative as steady ones, so
+  a few explored k price every k; predicted times are non-decreasing in k.
+* *Acceptance*: P_i (the first i drafts all accepted and kept), forgetting over
+  ``acceptance_memory`` drafts; E[L(k)] = 1 + P_1 + ... + P_k.
 
-**What it decides.** For bucket j (representative batch b_j, context C_j and
-prefill P_j, running means of the steps seen there) it rates each k by the
-tokens per second measured directly in that bucket over its recent steady
-steps (k verified = k drafted; their mean batch over their mean time, times
-E[L(k)] from the acceptance of now), shrunk towards the model's rate
-``b_j E[L(k)] / t(b_j, C_j, P_j, k, k)`` (scaled by what k=0 measured there
-against what the model predicts for it) as if the model were
-``PRIOR_STEPS`` steps. The model fills in the k a bucket has not run; the
-measurements correct it where it does not fit. It picks the
-best k in 0..cap, but k=0
-unless the best k is predicted ``min_gain`` better than k=0 (speculation has
-to pay by a margin), and keeps the current k>0 unless another is predicted
-``min_gain`` better. Decisions start once the cost model has seen k=0 and two
-values of k>0 (one if cap is 1); until then the lookup is the warm-up's.
+**What it decides.** For bucket j (mean batch b_j) each k is rated by its
+measured rate, repriced by E[L(k)] now against when measured and moved from the
+cell's mean batch to b_j by the model's ratio of times, shrunk towards the
+model's ``b_j E[L(k)] / t(b_j, k, k)`` (calibrated on k=0's measurement) as if
+the model were ``PRIOR_STEPS`` steps. It picks the best k in 0..cap, but k=0
+unless a k>0 measured there (``MIN_MEASURED`` steps) is rated ``min_gain`` better, and keeps a k>0 unless
+another is ``SWITCH_GAIN`` better. Decisions start at k=0, without the warm-up's cells, once the cost model
+has seen k=0 and two k>0 (one if cap is 1).
 
-**How it explores.** At a step in bucket j it may hold another k in that
-bucket for ``explore_steps`` steps (a burst), chosen uniformly at random.
-Bursts start with probability ``explore / explore_steps`` per step, so about
-``explore`` of the steps explore. Until the cost model is ready it warms up
-(unless ``explore`` is 0): every step belongs to a burst of the k it has seen
-least, over every bucket
-(the batch shrinks too fast through a call for one bucket to hold it). A switch from k=0 costs one drafter catch-up, which is why
-exploration comes in bursts.
+**How it explores.** Until ready it warms up (unless ``explore`` is 0): every
+step belongs to a burst of the k seen least, over every bucket. Then a step in
+bucket j starts a burst of ``explore_steps`` steps with probability ``explore /
+explore_steps``, at a k drawn from k=0 and the k rated within
+``EXPLORE_WITHIN`` of the bucket's best (a burst up from k=0 costs a catch-up).
 """
 
 from __future__ import annotations
@@ -63,8 +52,10 @@ import numpy as np
 
 REFIT_EVERY = 8  # observations between refits of the cost model
 MEASURED_DECAY = 0.95  # per steady step of a (bucket, k): direct measurements forget over ~20 steps
-MIN_MEASURED = 3.0  # steady k=0 steps of a bucket before they calibrate the model there
+MIN_MEASURED = 2.5  # steps of a (bucket, k) before they calibrate the model (k=0) or k may be chosen (k>0)
 PRIOR_STEPS = 4.0  # a measured rate is shrunk towards the model's as if the model were this many steps
+SWITCH_GAIN = 0.03  # a k>0 in force gives way to another k>0 rated this much better (no catch-up between them)
+EXPLORE_WITHIN = 0.1  # once ready, a burst tries only a k rated within this fraction of the bucket's best
 CLIP = 4.0  # an observed step time is clipped to [predicted / CLIP, predicted * CLIP] (descheduled steps)
 
 
@@ -77,7 +68,7 @@ class ControlSettings:
     explore_steps: int = 4
     memory_steps: int = 200
     acceptance_memory: int = 2000
-    min_gain: float = 0.03
+    min_gain: float = 0.1
     seed: int = 0
 
 
@@ -188,12 +179,8 @@ class AcceptanceModel:
 
 
 class Tally:
-    """What one engine's steps did since the last report: realised and predicted tokens per second.
-
-    Both rates are over the same steps: those the controller predicted (every
-    decode step once its cost model is ready), or every decode step when it
-    predicted none.
-    """
+    """Realised and predicted tokens per second since the last report, over the same steps: those the
+    controller predicted (every decode step once its cost model is ready), else every decode step."""
 
     def __init__(self):
         self.reset()
@@ -238,12 +225,12 @@ class Controller:
         self.b_mean = [math.sqrt(lo * hi) for lo, hi in self.ranges]
         self.ctx_per_req = [64.0] * len(self.ranges)
         self.pre_per_step = [0.0] * len(self.ranges)
-        self.measured: dict[tuple[int, int], list[float]] = {}  # (bucket, k) -> decayed [requests, seconds, steps]
+        self.measured: dict[tuple[int, int], list[float]] = {}  # (bucket, k) -> decayed [emitted, seconds, steps, requests, E[L(k)]]
         self.burst: list | None = None  # [bucket (None: every bucket), k, steps left]
         self.rng = random.Random(s.seed)
         self.tally = Tally()
         self.pushed = list(initial_lookup)
-        self._since_fit = 0
+        self._since_fit, self.warming = 0, True
 
     def bucket(self, b: int) -> int:
         return max(bisect.bisect_right(self.los, b) - 1, 0)
@@ -254,6 +241,8 @@ class Controller:
         if rec.drafted_pp:
             self.acc.observe(rec.drafted_pp, rec.accepted_pp)
         exploring = self.burst is not None
+        if rec.b > 0 and rec.period_s is not None:
+            self._measure(rec)
         if rec.b <= 0 or rec.period_s is None or rec.catch_up:
             self.tally.add(rec, None, exploring)
             return
@@ -272,11 +261,32 @@ class Controller:
                 predicted = (rec.b * self.acc.expected_length(round(kv)), t_hat)
         self.tally.add(rec, predicted, exploring)
         self.cost.observe(x, t, rec.k_next, kv)
-        if round(kv) == rec.k_next:  # a steady step: a direct measurement of bucket j at this k
-            cell = self.measured.setdefault((j, rec.k_next), [0.0, 0.0, 0.0])
-            for i, v in enumerate((rec.b, t, 1.0)):
-                cell[i] = cell[i] * MEASURED_DECAY + v
         self._since_fit += 1
+
+    def _measure(self, rec) -> None:
+        """Add the step to its (bucket, k) cell (module docstring): each k pays its own costs, earns its kept tokens."""
+        if not rec.continuing:
+            return  # a call's first step emits one token per request whatever k: it would favour the k not in use
+        kv = round(rec.drafts / rec.b) if rec.drafts else 0
+        k = rec.k_next if kv in (0, rec.k_next) else kv if rec.k_next == 0 else None
+        if k is None:
+            return
+        cell = self.measured.setdefault((self.bucket(rec.b), k), [0.0, 0.0, 0.0, 0.0, 0.0])
+        for i, v in enumerate((rec.emitted, rec.period_s, 1.0, rec.b, self.acc.expected_length(k))):
+            cell[i] = cell[i] * MEASURED_DECAY + v
+
+    def time_at(self, j: int, b: float, k: int) -> float | None:
+        """The cost model's time of a steady step at k with b requests, bucket j's context and prefill."""
+        return self.cost.predict(features(b, self.ctx_per_req[j] * b, k, k, self.pre_per_step[j]))
+
+    def measured_rate(self, j: int, k: int, cell: list[float]) -> float:
+        """A cell's kept tokens per second, repriced to the acceptance of now and moved to the bucket's mean batch."""
+        emitted, seconds, steps, requests, expected = cell
+        b_cell, b = requests / steps, self.b_mean[j]
+        t_cell, t_b = self.time_at(j, b_cell, k), self.time_at(j, b, k)
+        ratio = t_b / t_cell if t_cell and t_b and t_cell > 0 and t_b > 0 else b / b_cell
+        repriced = self.acc.expected_length(k) / (expected / steps)  # E[L(k)] now against when it was measured
+        return repriced * emitted / requests * b / (seconds / steps * ratio)
 
     def predicted_rates(self, j: int) -> list[float] | None:
         """Predicted tokens per second of bucket j at each steady k in 0..cap (None before a fit).
@@ -285,15 +295,15 @@ class Controller:
         non-decreasing in k (a rarely seen k cannot look cheaper than k=0 by fit noise).
         """
         b = self.b_mean[j]
-        times = [self.cost.predict(features(b, self.ctx_per_req[j] * b, k, k, self.pre_per_step[j])) for k in range(self.cap + 1)]
+        times = [self.time_at(j, b, k) for k in range(self.cap + 1)]
         if any(t is None for t in times):
             return None
         times = list(np.maximum.accumulate(times))
         if times[0] <= 0:
             return None
         rates = [b * self.acc.expected_length(k) / t for k, t in enumerate(times)]
-        cells = {k: c for (jj, k), c in self.measured.items() if jj == j and k <= self.cap and c[1] > 0}
-        seen = {k: c[0] * self.acc.expected_length(k) / c[1] for k, c in cells.items()}  # priced with the acceptance of now
+        cells = {k: c for (jj, k), c in self.measured.items() if jj == j and k <= self.cap and c[1] > 0 and c[3] > 0}
+        seen = {k: self.measured_rate(j, k, c) for k, c in cells.items()}
         scale = seen[0] / rates[0] if 0 in seen and cells[0][2] >= MIN_MEASURED else 1.0  # the model, calibrated on k=0 here
         out = []
         for k, r in enumerate(rates):
@@ -306,16 +316,19 @@ class Controller:
         self._since_fit = 0
         if not self.cost.ready(self.cap):
             return
+        if self.warming:  # the warm-up's cells measured every k at once (and often start-up checks): start afresh at k=0
+            self.warming, self.measured, self.choice = False, {}, [0] * len(self.ranges)
         self.cost.fit()
         for j in range(len(self.ranges)):
             rates = self.predicted_rates(j)
             if rates is None:
                 continue
+            measured = [rates[k] for k in range(1, len(rates)) if self.measured.get((j, k), (0, 0, 0))[2] >= MIN_MEASURED]
             best = max(range(len(rates)), key=rates.__getitem__)
-            if rates[best] <= rates[0] * (1.0 + self.settings.min_gain):
-                best = 0  # speculate only where it is predicted to pay by a margin: never lose to k=0
+            if max(measured, default=0.0) <= rates[0] * (1.0 + self.settings.min_gain):
+                best = 0  # speculate only where a measured k>0 pays by a margin: never lose to k=0
             cur = min(self.choice[j], self.cap)
-            if best == 0 or rates[best] > rates[cur] * (1.0 + self.settings.min_gain):
+            if best == 0 or cur == 0 or rates[best] > rates[cur] * (1.0 + SWITCH_GAIN):
                 cur = best
             self.choice[j] = cur
 
@@ -328,6 +341,10 @@ class Controller:
         if ready and self.rng.random() >= explore / max(self.settings.explore_steps, 1):
             return
         others = [k for k in range(self.cap + 1) if k != self.choice[j]]
+        if ready and self.cost.theta is not None:
+            rates = self.predicted_rates(j)
+            if rates is not None:  # only the k that may win: a k rated far below the best costs a burst for nothing
+                others = [k for k in others if k == 0 or rates[k] >= (1.0 - EXPLORE_WITHIN) * max(rates)]  # k=0 always
         if not others:
             return
         if ready:

@@ -88,22 +88,41 @@ def _starts(so) -> dict[str, int]:
     return d
 
 
-def _acceptance(spec_tokens: dict[str, list[int]], out) -> tuple[list[int] | None, list[int] | None, int]:
-    """(drafted per position, accepted per position, emitted tokens) from a step's output."""
+def _useful(ids: list[int], state) -> int:
+    """How many of a request's sampled tokens it keeps: up to its first stop token and within max_tokens
+    (the tokens accepted past either are dropped by the scheduler, so drafting them earned nothing)."""
+    sp = getattr(state, "sampling_params", None)
+    if sp is None:
+        return len(ids)
+    n = len(ids)
+    stops = () if sp.ignore_eos else sp.all_stop_token_ids
+    if stops:
+        n = next((i + 1 for i, t in enumerate(ids) if t in stops), n)
+    if sp.max_tokens is not None:
+        n = min(n, max(sp.max_tokens - (len(state.output_token_ids) - len(ids)), 1))
+    return n
+
+
+def _acceptance(spec_tokens: dict[str, list[int]], out, requests) -> tuple[list[int] | None, list[int] | None, int]:
+    """(drafted per position, accepted per position, emitted tokens) from a step's output (after the model
+    runner's bookkeeping). In a step that verified drafts, a token counts as emitted, and a draft as accepted,
+    only if the request keeps it (:func:`_useful`)."""
     ids = getattr(out, "sampled_token_ids", None) or []
-    emitted = sum(len(x) for x in ids)
     index = getattr(out, "req_id_to_index", None)
     if not spec_tokens or index is None:
-        return None, None, emitted
+        return None, None, sum(len(x) for x in ids)
+    emitted = sum(len(x) for x in ids)
     k = max(len(v) for v in spec_tokens.values())
     drafted, accepted = [0] * k, [0] * k
     for rid, drafts in spec_tokens.items():
         i = index.get(rid)
         if i is None:
             continue
+        kept = _useful(ids[i], requests.get(rid))
+        emitted -= len(ids[i]) - kept
         for j in range(len(drafts)):
             drafted[j] += 1
-        for j in range(min(max(len(ids[i]) - 1, 0), len(drafts))):
+        for j in range(min(len(ids[i]) - 1, kept, len(drafts))):
             accepted[j] += 1
     return drafted, accepted, emitted
 
@@ -222,5 +241,5 @@ class FastPath:
         if cur is None:
             return
         cur.runner_s = time.perf_counter() - self._t0
-        cur.drafted_pp, cur.accepted_pp, cur.emitted = _acceptance(self._spec_tokens, out)
+        cur.drafted_pp, cur.accepted_pp, cur.emitted = _acceptance(self._spec_tokens, out, self.runner.requests)
         self.pending = cur
