@@ -233,8 +233,11 @@ def test_the_canary_disable_path_makes_the_next_call_draft_nothing(eng_adaptive,
     overrides = ["policy.generation.acceptance_canary.action=disable", "policy.generation.speculation_control.mode=adaptive"]
     upkeep = DrafterUpkeep(load_config(root / "configs/grpo_spec.yaml", overrides, resolve_models=False))
     sampling = SamplingSettings(max_tokens=MAX_TOKENS, temperature=1.0, seed=6)
-    healthy = compute_spec_decode_metrics(None, eng_adaptive.generate(task_prompts, sampling).spec_counters)
-    assert healthy["spec_decode/num_draft_tokens"] > 0
+    # The controller drafts only where a measured k>0 pays, so a given call may draft nothing: the engine's
+    # lifetime counters (its warm-up and the calls above) show that it drafts, at a healthy acceptance.
+    lifetime = eng_adaptive.engine_counters()[0]
+    assert lifetime.get(DRAFT_TOKENS, 0.0) > 0, lifetime
+    healthy = compute_spec_decode_metrics(None, lifetime)
     for _ in range(3):
         assert upkeep.check(healthy, eng_adaptive) == {"spec_decode/canary": 0.0}
     collapsed = {**healthy, "spec_decode/acceptance_rate": 0.01}
