@@ -149,3 +149,37 @@ def test_buckets_cover_every_batch_size_once():
     assert all(hi + 1 == lo for (_, hi), (lo, _) in zip(ranges, ranges[1:]))
     lk = lookup_from(ranges, [5, 4, 3, 2, 1, 0, 0])
     assert len(lk) == 101 and lk[1] == 5 and lk[3] == 4 and lk[63] == 0 and lk[31] == 1
+
+
+# ---- what a step is worth: kept tokens, and which steps count --------------------------
+
+
+def _req(output, max_tokens=100, ignore_eos=False, stops=frozenset({9})):
+    from types import SimpleNamespace
+
+    sp = SimpleNamespace(ignore_eos=ignore_eos, all_stop_token_ids=set(stops), max_tokens=max_tokens)
+    return SimpleNamespace(sampling_params=sp, output_token_ids=list(output))
+
+
+def test_tokens_past_a_stop_or_max_tokens_are_not_counted():
+    from types import SimpleNamespace
+
+    from rl_specdec.generation.engine.fastpath import _acceptance
+
+    out = SimpleNamespace(sampled_token_ids=[[5, 9, 7, 8]], req_id_to_index={"a": 0})  # 3 drafts accepted + bonus
+    spec = {"a": [5, 9, 7]}
+    prior = [1, 2]  # tokens the request had before this step (the runner appends this step's before we read it)
+    assert _acceptance(spec, out, {"a": _req(prior + [5, 9, 7, 8])}) == ([1, 1, 1], [1, 1, 0], 2)  # stops at 9
+    assert _acceptance(spec, out, {"a": _req(prior + [5, 9, 7, 8], ignore_eos=True)}) == ([1, 1, 1], [1, 1, 1], 4)
+    assert _acceptance(spec, out, {"a": _req(prior + [5, 9, 7, 8], max_tokens=3, stops=())}) == ([1, 1, 1], [1, 0, 0], 1)
+
+
+def test_a_calls_first_step_counts_for_no_k():
+    """It emits one token per request whatever k is; counted, it would lower the rate of the k in force."""
+    s = settings()
+    ctl = Controller(s, lookup_from(bucket_ranges(s.buckets, MAX_BATCH), [2] * len(s.buckets)))
+    rec = dict(b=100, tokens=3000, drafts=0, k_verify=0, k_next=2, ctx=0, plain=False, emitted=100, period_s=0.05)
+    ctl.observe(StepRecord(continuing=False, **rec))
+    assert ctl.measured == {}
+    ctl.observe(StepRecord(continuing=True, **rec))  # the same step inside a call: a switch up into k=2
+    assert list(ctl.measured) == [(ctl.bucket(100), 2)]

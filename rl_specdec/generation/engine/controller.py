@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 REFIT_EVERY = 8  # observations between refits of the cost model
-MEASURED_DECAY = 0.95  # per steady step of a (bucket, k): direct measurements forget over ~20 steps
+MEASURED_DECAY = 0.95  # per step counted for a (bucket, k): direct measurements forget over ~20 steps
 MIN_MEASURED = 2.5  # steps of a (bucket, k) before they calibrate the model (k=0) or k may be chosen (k>0)
 PRIOR_STEPS = 4.0  # a measured rate is shrunk towards the model's as if the model were this many steps
 SWITCH_GAIN = 0.03  # a k>0 in force gives way to another k>0 rated this much better (no catch-up between them)
@@ -284,7 +284,7 @@ class Controller:
         emitted, seconds, steps, requests, expected = cell
         b_cell, b = requests / steps, self.b_mean[j]
         t_cell, t_b = self.time_at(j, b_cell, k), self.time_at(j, b, k)
-        ratio = t_b / t_cell if t_cell and t_b and t_cell > 0 and t_b > 0 else b / b_cell
+        ratio = t_b / t_cell if t_cell and t_b and min(t_cell, t_b) > 0 else b / b_cell
         repriced = self.acc.expected_length(k) / (expected / steps)  # E[L(k)] now against when it was measured
         return repriced * emitted / requests * b / (seconds / steps * ratio)
 

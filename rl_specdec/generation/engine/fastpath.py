@@ -108,10 +108,10 @@ def _acceptance(spec_tokens: dict[str, list[int]], out, requests) -> tuple[list[
     runner's bookkeeping). In a step that verified drafts, a token counts as emitted, and a draft as accepted,
     only if the request keeps it (:func:`_useful`)."""
     ids = getattr(out, "sampled_token_ids", None) or []
+    emitted = sum(len(x) for x in ids)
     index = getattr(out, "req_id_to_index", None)
     if not spec_tokens or index is None:
-        return None, None, sum(len(x) for x in ids)
-    emitted = sum(len(x) for x in ids)
+        return None, None, emitted
     k = max(len(v) for v in spec_tokens.values())
     drafted, accepted = [0] * k, [0] * k
     for rid, drafts in spec_tokens.items():
