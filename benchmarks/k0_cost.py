@@ -34,9 +34,9 @@ ENGINES = {  # name -> (speculative_config or None, speculation_control mode)
 
 
 def start(models, spec: dict | None, mode: str):
-    from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
-    from rl_specdec.generation.config import SpeculationControlConfig
-    from rl_specdec.generation.group import VllmGeneration
+    from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.config.generation import SpeculationControlConfig
+    from rl_specdec.rollout.group import VllmGeneration
     from rl_specdec.toy.presets import toy_engine_kwargs
 
     if spec is not None:
@@ -48,7 +48,7 @@ def start(models, spec: dict | None, mode: str):
 
 def measure(engines: dict, tok, batch: int, rounds: int, seed: int, max_tokens: int) -> dict[str, list[float]]:
     """{engine: [seconds per call]}, one call per engine per round, engines in rotating order."""
-    from rl_specdec.generation import SamplingSettings
+    from rl_specdec.rollout import SamplingSettings
 
     names = list(engines)
     times: dict[str, list[float]] = {n: [] for n in names}

@@ -1,7 +1,7 @@
 """The peer: TRL's ``GRPOTrainer`` on the same toy task, model, batch and step count.
 
 Same policy checkpoint (the toy Qwen2 policy), tokenizer, training pool
-(``env.kwargs`` of the config), batch (``num_prompts_per_step`` prompts x
+(``task.kwargs`` of the config), batch (``num_prompts_per_step`` prompts x
 ``num_generations_per_prompt`` samples, one optimizer step per batch), sampling
 (temperature, top_p, max_new_tokens), learning rate, clip and KL coefficient as
 the rl_specdec config it is given. TRL generates with transformers'
@@ -40,12 +40,12 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from rl_specdec.config import load_config
-    from rl_specdec.environments import make_task
+    from rl_specdec.tasks import make_task
 
     cfg = load_config(config_path)
     g, gen = cfg.grpo, cfg.policy.generation
     model_path = cfg.policy.model_name  # resolved to the toy checkpoint's folder by load_config
-    task = make_task(cfg.env.name, **dict(cfg.env.kwargs))
+    task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
     pool = task.pool() if getattr(task, "dataset_size", 0) else task.make_batch(seed=cfg.seed, n=1024)
     dataset = Dataset.from_list([{"prompt": s.prompt, "answer": s.answer} for s in pool])
     tokenizer = AutoTokenizer.from_pretrained(model_path)

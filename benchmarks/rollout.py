@@ -11,7 +11,7 @@ Prints markdown tables and writes them (plus the raw numbers as JSON) under
 2. with ``--engines``: one engine on all cores vs one engine per core
    (data parallel) on a batch of 128 prompts.
 
-Prompts are sorting-task prompts (``SortingTask().make_batch``) in the toy
+Prompts are sorting-task prompts (``SortingTask(max_len=24).make_batch``: 4 to 24 digits) in the toy
 tokenizer; responses stop at EOS or ``--max-tokens``. Each engine gets one
 warm-up call before it is timed; each cell is the median of ``--repeats``
 calls, each on a different batch of prompts (the same batches for every
@@ -83,14 +83,14 @@ def variants(methods: list[str], ks: list[int]) -> list[tuple[str, int | None]]:
 
 
 def task_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
-    from rl_specdec.environments.sorting import SortingTask
+    from rl_specdec.tasks.sorting import SortingTask
 
-    return [tokenizer.encode(s.prompt) for s in SortingTask().make_batch(seed=seed, n=n)]
+    return [tokenizer.encode(s.prompt) for s in SortingTask(max_len=24).make_batch(seed=seed, n=n)]
 
 
 def start(models, method: str, args, num_engines: int, cpus_per_engine: int, k: int | None = None, env_vars: dict | None = None):
-    from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
-    from rl_specdec.generation.group import VllmGeneration
+    from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.rollout.group import VllmGeneration
     from rl_specdec.toy.presets import toy_engine_kwargs
 
     kw = toy_engine_kwargs(dtype=args.dtype, enforce_eager=bool(args.eager))
@@ -109,7 +109,7 @@ def timed_calls(g, batches: list[list[list[int]]], sampling) -> dict:
     Repeats use different prompt batches (the same ones for every method), so a
     batch of 1 is not one lucky or unlucky prompt.
     """
-    from rl_specdec.spec_decode import aggregate_spec_decode_counters, compute_spec_decode_metrics
+    from rl_specdec.metrics import aggregate_spec_decode_counters, compute_spec_decode_metrics
 
     times, tokens, counters = [], [], []
     for r, prompts in enumerate(batches):
@@ -132,7 +132,7 @@ def timed_calls(g, batches: list[list[list[int]]], sampling) -> dict:
 
 
 def warm_up(g, prompts, max_tokens):
-    from rl_specdec.generation import SamplingSettings
+    from rl_specdec.rollout import SamplingSettings
 
     t0 = time.perf_counter()
     g.generate(prompts, SamplingSettings(max_tokens=max_tokens, temperature=1.0, seed=0))
@@ -302,7 +302,7 @@ def machine_header(args) -> tuple[str, int]:
 
 def run_methods(args, models, tok, cores: int) -> list[dict]:
     """One engine (all cores) per (method, k); every batch size and temperature on it."""
-    from rl_specdec.generation import SamplingSettings
+    from rl_specdec.rollout import SamplingSettings
 
     rows: list[dict] = []
     prompts = {b: [task_prompts(tok, b, seed=100 * b + r) for r in range(args.repeats)] for b in args.batch_sizes}
@@ -329,7 +329,7 @@ def run_methods(args, models, tok, cores: int) -> list[dict]:
 
 
 def run_engines(args, models, tok, cores: int) -> list[dict]:
-    from rl_specdec.generation import SamplingSettings
+    from rl_specdec.rollout import SamplingSettings
 
     rows: list[dict] = []
     batches = [task_prompts(tok, args.engines_batch, seed=7 + r) for r in range(args.repeats)]

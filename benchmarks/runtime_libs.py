@@ -56,7 +56,7 @@ def lib_variants() -> dict[str, str]:
 
 
 def rollout_round(args, models, tok, preload: str) -> list[dict]:
-    from rl_specdec.generation import SamplingSettings
+    from rl_specdec.rollout import SamplingSettings
 
     rows = []
     for method in ("none", "draft_model"):

@@ -37,11 +37,11 @@ import sys
 import time
 from pathlib import Path
 
-from rl_specdec.generation.async_worker import AsyncVllmWorker
-from rl_specdec.generation.group import AsyncVllmGeneration
+from rl_specdec.rollout.serving.async_worker import AsyncVllmWorker
+from rl_specdec.rollout.group import AsyncVllmGeneration
 
 REPO = Path(__file__).resolve().parents[1]
-LEGACY_REV = "f0082a6"  # the last commit with the hand-written server (rl_specdec/generation/server.py)
+LEGACY_REV = "f0082a6"  # the last commit with the hand-written server (rl_specdec/rollout/serving/server.py)
 SERVERS = ("legacy", "vllm")
 
 
@@ -72,7 +72,7 @@ class ABWorker(AsyncVllmWorker):
         info = await super().start_engine(model, vllm_kwargs, seed, cpu_bind, server)
         mod = types.ModuleType("rl_specdec_legacy_server")
         sys.modules[mod.__name__] = mod  # pydantic and dataclasses resolve annotations through it
-        exec(compile(legacy_source, f"{LEGACY_REV}:rl_specdec/generation/server.py", "exec"), mod.__dict__)
+        exec(compile(legacy_source, f"{LEGACY_REV}:rl_specdec/rollout/serving/server.py", "exec"), mod.__dict__)
         cfg = mod.ServerConfig(chat_template=server.get("chat_template"), served_model_name=server["served_model_name"])
         self.legacy = await mod.start_server(LegacyBackend(self, server["served_model_name"]), cfg)
         info["base_url"] = {"legacy": self.legacy.base_url, "vllm": self.server.base_url}
@@ -89,7 +89,7 @@ class ABGeneration(AsyncVllmGeneration):
     worker_cls = ABWorker
 
     def __init__(self, model, config, cluster, server: dict, legacy_source: str):
-        from rl_specdec.generation.server import ServerConfig
+        from rl_specdec.config import ServerConfig
 
         ServerConfig.from_dict(server)
         self._start(model, config, cluster, 0, {"server": server, "legacy_source": legacy_source})
@@ -192,19 +192,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for results.json and table.md")
     args = ap.parse_args(argv)
 
-    from rl_specdec.environments.sorting import SortingTask
-    from rl_specdec.generation import ClusterConfig, GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.tasks.sorting import SortingTask
+    from rl_specdec.config import ClusterConfig, GenerationConfig, validate_vllm_kwargs
     from rl_specdec.toy.build import build_toy_models
     from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE, toy_engine_kwargs, usable_cores
 
-    legacy_source = subprocess.check_output(["git", "-C", str(REPO), "show", f"{args.legacy_rev}:rl_specdec/generation/server.py"], text=True)
+    legacy_source = subprocess.check_output(["git", "-C", str(REPO), "show", f"{args.legacy_rev}:rl_specdec/rollout/serving/server.py"], text=True)
     toy = build_toy_models()
     spec = {
         "draft_model": {"method": "draft_model", "model": str(toy.drafter), "num_speculative_tokens": 3},
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
         "none": None,
     }[args.spec]
-    prompts = [s.prompt[:-1] for s in SortingTask().make_batch(seed=args.seed + 17, n=64)]  # the template adds "="
+    prompts = [s.prompt[:-1] for s in SortingTask(max_len=24).make_batch(seed=args.seed + 17, n=64)]  # the template adds "="
     cores, load0 = usable_cores(), os.getloadavg()
     print(f"load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} ({cores} cores)", flush=True)
     kw = validate_vllm_kwargs(toy_engine_kwargs(speculative_config=spec), str(toy.policy))

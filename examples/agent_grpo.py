@@ -1,6 +1,6 @@
 """GRPO on a tool-using agent task, through vLLM's OpenAI server, with speculative decoding on.
 
-The task (rl_specdec/environments/lookup.py): the user names a key; the model
+The task (rl_specdec/tasks/lookup.py): the user names a key; the model
 must call the ``lookup`` tool with it (hermes style,
 ``<tool_call>{"name":"lookup","arguments":{"key":"a"}}</tool_call>``), the
 environment answers with a ``tool`` message carrying the key's hidden value,
@@ -42,7 +42,7 @@ SERVER = {"served_model_name": "tooltoy", "tool_call_parser": "hermes", "enable_
 
 def held_out(base_url: str, task, n: int, seed: int) -> dict[str, float]:
     """Success, tool-call and right-key rates over ``n`` held-out episodes at temperature 1."""
-    from rl_specdec.environments.lookup import play_many
+    from rl_specdec.tasks.lookup import play_many
 
     xs = asyncio.run(play_many(base_url, SERVER["served_model_name"], task, task.validation_batch(seed, n), seed=10_000 + seed))
     return {k: sum(float(x[k]) for x in xs) / n for k in ("correct", "called", "right_key")}
@@ -56,10 +56,10 @@ def grpo_step(gen, policy, loss_fn, base_url: str, task, step: int, args) -> str
     """One step: rollouts through the server, advantages, a policy update, refit. Returns its log line."""
     import torch
 
-    from rl_specdec.algorithms import group_advantages
-    from rl_specdec.algorithms.batch import Trajectory, build_train_batch
-    from rl_specdec.environments.lookup import play_many
-    from rl_specdec.spec_decode import aggregate_spec_decode_counters, compute_spec_decode_metrics
+    from rl_specdec.grpo import group_advantages
+    from rl_specdec.grpo.batch import Trajectory, build_train_batch
+    from rl_specdec.tasks.lookup import play_many
+    from rl_specdec.metrics import aggregate_spec_decode_counters, compute_spec_decode_metrics
 
     ts = time.time()
     episodes = task.make_batch(args.seed * 1_000_003 + step, args.episodes)
@@ -99,14 +99,14 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from rl_specdec.logging import configure_console
+    from rl_specdec.metrics.console import configure_console
 
     configure_console("info" if args.verbose else "error")  # before anything imports vLLM
 
-    from rl_specdec.algorithms import ClippedPGLoss
+    from rl_specdec.grpo import ClippedPGLoss
     from rl_specdec.config import PolicyConfig
-    from rl_specdec.generation import ClusterConfig, GenerationConfig, validate_vllm_kwargs
-    from rl_specdec.generation.group import AsyncVllmGeneration
+    from rl_specdec.config import ClusterConfig, GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.rollout.group import AsyncVllmGeneration
     from rl_specdec.policy import PolicyGroup
     from rl_specdec.toy.presets import toy_engine_kwargs, usable_cores
     from rl_specdec.toy.tools import ToolToyConfig, build_tool_tokenizer, build_tool_toy

@@ -87,7 +87,7 @@ async def rollouts(base_url: str, model: str, episodes: list[tuple[str, str]], g
 
 def trajectory(x: dict):
     """The final sequence, with each model turn's ids and log-probs (the loss covers both turns)."""
-    from rl_specdec.algorithms.batch import Trajectory
+    from rl_specdec.grpo.batch import Trajectory
 
     return Trajectory(x["ids"], x["turns"])
 
@@ -107,14 +107,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from rl_specdec.algorithms import ClippedPGLoss, group_advantages
-    from rl_specdec.algorithms.batch import build_train_batch
-    from rl_specdec.environments.sorting import SortingTask
-    from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
-    from rl_specdec.generation.group import AsyncVllmGeneration
+    from rl_specdec.grpo import ClippedPGLoss, group_advantages
+    from rl_specdec.grpo.batch import build_train_batch
+    from rl_specdec.tasks.sorting import SortingTask
+    from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.rollout.group import AsyncVllmGeneration
     from rl_specdec.config import PolicyConfig
     from rl_specdec.policy import PolicyGroup
-    from rl_specdec.spec_decode import aggregate_spec_decode_counters, compute_spec_decode_metrics
+    from rl_specdec.metrics import aggregate_spec_decode_counters, compute_spec_decode_metrics
     from rl_specdec.toy.build import build_tokenizer, build_toy_models
     from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE, toy_engine_kwargs, usable_cores
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sampling self-check passed: {report.summary()}", flush=True)
         policy = PolicyGroup(PolicyConfig(model_name=str(toy.policy), device="cpu", dtype="float32", learning_rate=args.lr, num_threads=cores), seed=args.seed)
         loss_fn = ClippedPGLoss(clip_eps=0.2)
-        task = SortingTask()
+        task = SortingTask(max_len=24)
         for step in range(args.steps):
             ts = time.time()
             rng = random.Random(args.seed * 1_000_003 + step)

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     overrides = list(args.overrides) + (["logger.level=info"] if args.verbose else [])
 
-    from rl_specdec.logging import configure_console
+    from rl_specdec.metrics.console import configure_console
 
     configure_console("info" if args.verbose else "error")  # before anything imports vLLM
     from rl_specdec.config import ConfigError, load_config, to_yaml
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     configure_console(cfg.logger.level)
 
-    from rl_specdec.algorithms.grpo import train
+    from rl_specdec.grpo.loop import train
     from rl_specdec.errors import (
         CheckpointDamaged,
         GenerationEngineDied,

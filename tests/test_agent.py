@@ -16,8 +16,8 @@ import json
 import pytest
 
 from conftest import CPU_VLLM_KWARGS, HOST_CORES, draft_spec
-from rl_specdec.environments.lookup import LOOKUP_TOOL, Episode, LookupTask, model_tool_call, play
-from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
+from rl_specdec.tasks.lookup import LOOKUP_TOOL, Episode, LookupTask, model_tool_call, play
+from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +57,7 @@ def tool_tok(tool_toy):
 
 @pytest.fixture(scope="module")
 def url(request, local_ray, tool_toy):
-    from rl_specdec.generation.group import AsyncVllmGeneration
+    from rl_specdec.rollout.group import AsyncVllmGeneration
 
     kw = validate_vllm_kwargs({**CPU_VLLM_KWARGS, "speculative_config": draft_spec(tool_toy.drafter)}, str(tool_toy.policy))
     cfg = GenerationConfig(num_engines=1, cpus_per_engine=HOST_CORES, vllm_kwargs=kw, self_check=False)
@@ -197,7 +197,7 @@ def test_trajectory_masks_the_tool_tokens(client, tool_tok):
     """Both model turns are in the loss; the tool response and the prompt are context only."""
     import torch
 
-    from rl_specdec.algorithms.batch import Trajectory, build_train_batch
+    from rl_specdec.grpo.batch import Trajectory, build_train_batch
 
     async def main():
         async with client() as c:

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_specdec.algorithms import ClippedPGLoss, group_advantages
-from rl_specdec.algorithms.batch import Trajectory, build_train_batch
-from rl_specdec.algorithms.checkpoint import CheckpointManager
-from rl_specdec.algorithms.grpo import decode_response
+from rl_specdec.grpo import ClippedPGLoss, group_advantages
+from rl_specdec.grpo.batch import Trajectory, build_train_batch
+from rl_specdec.grpo.checkpoint import CheckpointManager
+from rl_specdec.grpo.step import decode_response
 from rl_specdec.errors import CheckpointDamaged
-from rl_specdec.environments import SortingTask
-from rl_specdec.generation import GenerationOutput
+from rl_specdec.tasks import SortingTask
+from rl_specdec.rollout import GenerationOutput
 
 
 def test_group_advantages_normalise_within_groups():
@@ -193,7 +193,7 @@ def test_plot_renders_png(tmp_path):
 
 
 def test_select_for_training_drops_zero_advantage_groups():
-    from rl_specdec.algorithms.batch import select_for_training
+    from rl_specdec.grpo.batch import select_for_training
 
     adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0]), group_size=2)  # groups: mixed, same, same
     assert select_for_training(adv, skip_zero=True) == [0, 1]
@@ -234,13 +234,13 @@ def test_default_run_never_trains_on_a_validation_problem(config, seed):
     from pathlib import Path
     from types import SimpleNamespace
 
-    from rl_specdec.algorithms.grpo import VAL_SEED, step_prompts
+    from rl_specdec.grpo.step import VAL_SEED, step_prompts
     from rl_specdec.config import load_config
-    from rl_specdec.environments import make_task
+    from rl_specdec.tasks import make_task
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / config, [f"seed={seed}"], resolve_models=False)
-    assert not cfg.env.kwargs.get("dataset_size"), "the default run trains on fresh problems, not a fixed pool"
-    run = SimpleNamespace(cfg=cfg, task=make_task(cfg.env.name, **cfg.env.kwargs))
+    assert not cfg.task.kwargs.get("dataset_size"), "the default run trains on fresh problems, not a fixed pool"
+    run = SimpleNamespace(cfg=cfg, task=make_task(cfg.task.name, **cfg.task.kwargs))
     held_out = run.task.validation_batch(VAL_SEED, cfg.grpo.val_num_prompts) + run.task.validation_batch(VAL_SEED + 1, cfg.grpo.self_check_prompts)
     train = [s for step in range(cfg.grpo.max_steps) for s in step_prompts(run, step)]
     assert len(train) == cfg.grpo.max_steps * cfg.grpo.num_prompts_per_step
@@ -250,7 +250,7 @@ def test_default_run_never_trains_on_a_validation_problem(config, seed):
 
 
 def test_time_until_done_and_tail_metrics():
-    from rl_specdec.algorithms.grpo import tail_metrics
+    from rl_specdec.grpo.step import tail_metrics
 
     out = GenerationOutput(token_ids=[[1]] * 10, logprobs=[[0.0]] * 10, finish_reasons=["stop"] * 10, finish_time_s=[0.9, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 5.0])
     assert out.time_until_done(0.5) == 0.5  # the 5th of 10 sorted times
@@ -267,7 +267,7 @@ def test_time_until_done_and_tail_metrics():
 
 
 def test_drafter_subset_is_bounded_seeded_and_complete_when_unbounded():
-    from rl_specdec.algorithms.drafter_upkeep import drafter_subset
+    from rl_specdec.drafter.upkeep import drafter_subset
 
     assert drafter_subset(128, 0, step=3) == list(range(128))
     assert drafter_subset(16, 32, step=3) == list(range(16))

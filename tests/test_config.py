@@ -126,7 +126,7 @@ def test_defaults_inheritance_and_interpolation(tmp_path):
         (["policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens=0"], "num_speculative_tokens"),
         (["policy.generation.vllm_kwargs.speculative_config.rejection_sample_method=synthetic"], "synthetic"),
         (["policy.generation.vllm_kwargs.speculative_config.model=/nope"], "speculative_config.model"),
-        (["env.name=chess"], "env.name"),
+        (["task.name=chess"], "task.name"),
         (["logger.wandb.mode=sometimes"], "logger.wandb.mode"),
         (["grpo.max_steps"], "key=value"),
         (["policy.num_workers=0"], "policy.num_workers"),

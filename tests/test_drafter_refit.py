@@ -20,9 +20,9 @@ import torch
 
 from conftest import dist_samples, draft_spec, hf_greedy, position_test, start_engine
 from rl_specdec.errors import WeightIntegrityError
-from rl_specdec.generation import SamplingSettings
-from rl_specdec.spec_decode import compute_spec_decode_metrics
-from rl_specdec.spec_decode.canary import AcceptanceCanary
+from rl_specdec.rollout import SamplingSettings
+from rl_specdec.metrics import compute_spec_decode_metrics
+from rl_specdec.drafter.canary import AcceptanceCanary
 
 pytestmark = pytest.mark.integration
 

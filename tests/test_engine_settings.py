@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from rl_specdec.errors import ConfigError
-from rl_specdec.generation import settings
+from rl_specdec.rollout import engine_settings as settings
 
 CPU_DRAFT = {
     "vllm_version": "0.32.0",
@@ -85,6 +85,6 @@ def test_summary_line_says_what_runs():
 def test_environment_report_runs_and_names_the_vllm_version():
     import vllm
 
-    out = subprocess.run([sys.executable, "-m", "rl_specdec.env"], capture_output=True, text=True, timeout=300, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "rl_specdec.sysinfo"], capture_output=True, text=True, timeout=300, check=True).stdout
     assert f"vllm: {vllm.__version__}" in out
     assert "cores_usable:" in out and "cpu_sampling_fix_applies:" in out and "LD_PRELOAD" in out

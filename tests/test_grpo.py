@@ -44,7 +44,7 @@ def _rows(log_dir, with_baseline=False):
 
 
 def _train(log_dir, *extra):
-    from rl_specdec.algorithms.grpo import train
+    from rl_specdec.grpo.loop import train
 
     cfg = load_config(ROOT / "configs/grpo_spec.yaml", SMALL + [f"logger.log_dir={log_dir}", *extra])
     return train(cfg, progress=False)
@@ -111,11 +111,11 @@ def test_step_zero_validation_comes_from_the_trainers_weights(uninterrupted, hf_
     """The engines started from random (dummy) weights; the sync before the first rollout must make the
     step-0 validation exactly what the real policy gives (greedy, transformers)."""
     from conftest import hf_greedy
-    from rl_specdec.algorithms.grpo import VAL_SEED
-    from rl_specdec.environments import make_task
+    from rl_specdec.grpo.step import VAL_SEED
+    from rl_specdec.tasks import make_task
 
     cfg = load_config(ROOT / "configs/grpo_spec.yaml", SMALL)
-    samples = make_task(cfg.env.name, **cfg.env.kwargs).validation_batch(seed=VAL_SEED, n=cfg.grpo.val_num_prompts)
+    samples = make_task(cfg.task.name, **cfg.task.kwargs).validation_batch(seed=VAL_SEED, n=cfg.grpo.val_num_prompts)
     outs = hf_greedy(hf_policy, [tokenizer.encode(s.prompt) for s in samples], cfg.policy.generation.max_new_tokens)
     want = sum(o[-1:] == [tokenizer.eos_token_id] and tokenizer.decode(o[:-1]) == s.answer for o, s in zip(outs, samples)) / len(samples)
     baseline = _rows(uninterrupted, with_baseline=True)[0]
@@ -148,7 +148,7 @@ def test_engine_yaml_says_what_the_engine_runs(uninterrupted):
     assert engine["load_format"] == "dummy"
     warned = [m for m in (Path(uninterrupted) / "warnings.txt").read_text().splitlines() if "the engine runs" in m]
     assert len(warned) == 1 and "vllm_kwargs.async_scheduling: requested True, the engine runs False" in warned[0], warned
-    assert "vllm: " in (Path(uninterrupted) / "env.txt").read_text()
+    assert "vllm: " in (Path(uninterrupted) / "sysinfo.txt").read_text()
 
 
 def test_strict_engine_settings_stop_before_the_first_step(tmp_path):
@@ -178,7 +178,7 @@ def test_engine_death_stops_run_and_resume_continues_identically(tmp_path, monke
     import os
     import signal
 
-    from rl_specdec.algorithms import grpo
+    from rl_specdec.grpo import loop as grpo
     from rl_specdec.errors import GenerationEngineDied
 
     off = "policy.generation.vllm_kwargs.speculative_config=null"
@@ -221,7 +221,7 @@ def test_canary_disable_restarts_the_engines_without_speculation(tmp_path, monke
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rl_specdec.algorithms import grpo
+    from rl_specdec.grpo import loop as grpo
 
     real_step, seen = grpo.grpo_step, {}
 

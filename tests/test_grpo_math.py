@@ -27,8 +27,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl_specdec.algorithms import ClippedPGLoss, group_advantages
-from rl_specdec.algorithms.batch import Trajectory, build_train_batch, select_for_training
+from rl_specdec.grpo import ClippedPGLoss, group_advantages
+from rl_specdec.grpo.batch import Trajectory, build_train_batch, select_for_training
 from rl_specdec.config import PolicyConfig
 from rl_specdec.policy import PolicyWorker
 

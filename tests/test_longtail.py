@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from rl_specdec.environments import make_task
-from rl_specdec.environments.longtail import BUDGET_MAX, BUDGET_MIN, LongTailSortTask, countdown, draw_budget, reference_response
+from rl_specdec.tasks import make_task
+from rl_specdec.tasks.longtail import BUDGET_MAX, BUDGET_MIN, LongTailSortTask, countdown, draw_budget, reference_response
 
 
 def test_score_wants_a_whole_countdown_then_the_answer():
@@ -57,8 +57,8 @@ def test_tokenizer_has_one_token_per_countdown_number():
 def test_longtail_pair_samples_heavy_tailed_lengths(local_ray):
     """The built pair on a real engine: sampled lengths have a long tail, rollouts score, the drafter is accepted."""
     from conftest import draft_spec, start_engine
-    from rl_specdec.generation import SamplingSettings
-    from rl_specdec.spec_decode import compute_spec_decode_metrics
+    from rl_specdec.rollout import SamplingSettings
+    from rl_specdec.metrics import compute_spec_decode_metrics
     from rl_specdec.toy.longtail import build_longtail_models, build_longtail_tokenizer
 
     toy, tok, task = build_longtail_models(log=lambda *_: None), build_longtail_tokenizer(), LongTailSortTask()

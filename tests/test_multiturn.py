@@ -25,10 +25,11 @@ from conftest import (
     draft_spec,
     position_test,
 )
-from rl_specdec.generation import GenerationConfig, SamplingSettings, validate_vllm_kwargs
+from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
+from rl_specdec.rollout import SamplingSettings
 from rl_specdec.errors import SleepNotSupported
-from rl_specdec.spec_decode import compute_spec_decode_metrics
-from rl_specdec.spec_decode.counters import NAMES
+from rl_specdec.metrics import compute_spec_decode_metrics
+from rl_specdec.metrics.counters import NAMES
 from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE
 
 pytestmark = pytest.mark.integration
@@ -36,13 +37,14 @@ pytestmark = pytest.mark.integration
 MODEL_NAME = "toy-policy"
 HTTP_TIMEOUT = 120.0  # per request, seconds: a bound, not an assertion
 GREEDY = SamplingSettings(max_tokens=30, temperature=0.0)
+SPEC_K = 3  # the server engine's drafted tokens per step
 
 
 @pytest.fixture(scope="module")
 def srv(request, local_ray, toy):
-    from rl_specdec.generation.group import AsyncVllmGeneration
+    from rl_specdec.rollout.group import AsyncVllmGeneration
 
-    kw = validate_vllm_kwargs({**CPU_VLLM_KWARGS, "speculative_config": draft_spec(toy.drafter)}, str(toy.policy))
+    kw = validate_vllm_kwargs({**CPU_VLLM_KWARGS, "speculative_config": draft_spec(toy.drafter, SPEC_K)}, str(toy.policy))
     cfg = GenerationConfig(num_engines=1, cpus_per_engine=HOST_CORES, vllm_kwargs=kw, self_check=False)
     g = AsyncVllmGeneration(
         str(toy.policy), cfg, server={"chat_template": TOY_CHAT_TEMPLATE, "served_model_name": MODEL_NAME}
@@ -246,13 +248,17 @@ def test_streaming_completions_give_what_the_full_response_gives(url):
     client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT)
     body = {"model": MODEL_NAME, "prompt": "9081726354=", "max_tokens": 20, "temperature": 0, "extra_body": {"return_token_ids": True}}
     full = client.completions.create(**body).model_dump()["choices"][0]
-    text, ids, chunks = "", [], 0
+    text, ids, per_chunk = "", [], []
     for ch in client.completions.create(**body, stream=True):
-        chunks += 1
         for c in ch.model_dump()["choices"]:
             text += c.get("text") or ""
             ids += c.get("token_ids") or []
-    assert chunks > 3 and text == full["text"] and ids == full["token_ids"] and len(ids) > 3
+            per_chunk.append(len(c.get("token_ids") or []))
+    assert text == full["text"] and ids == full["token_ids"] and len(ids) > 3
+    # Streaming sends what each engine step emitted: a step emits at most k + 1 tokens per request
+    # (k drafts and the bonus token), so there is at least one chunk per k + 1 tokens.
+    k = SPEC_K
+    assert max(per_chunk) <= k + 1 and sum(1 for n in per_chunk if n) >= -(-len(ids) // (k + 1)), per_chunk
 
 
 def test_stop_strings(url, tokenizer):
@@ -446,7 +452,7 @@ def test_refit_changes_what_the_engine_generates(srv, toy, tokenizer):
 
 def test_failed_async_start_leaves_nothing_behind(srv, toy):
     """As for the synchronous group: a failed start releases its actor and its placement group."""
-    from rl_specdec.generation.group import AsyncVllmGeneration
+    from rl_specdec.rollout.group import AsyncVllmGeneration
 
     kw = validate_vllm_kwargs({**CPU_VLLM_KWARGS, "max_model_len": 4096}, str(toy.policy))  # > the toy's 128 positions
     cfg = GenerationConfig(num_engines=1, cpus_per_engine=1, vllm_kwargs=kw, self_check=False)

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from conftest import actor_states, wait_until
-from rl_specdec.algorithms import ClippedPGLoss
-from rl_specdec.algorithms.batch import Trajectory, build_train_batch
+from rl_specdec.grpo import ClippedPGLoss
+from rl_specdec.grpo.batch import Trajectory, build_train_batch
 from rl_specdec.config import PolicyConfig, load_config
 from rl_specdec.policy import PolicyGroup, PolicyWorker, PolicyWorkerDied
 
@@ -219,7 +219,7 @@ SMALL = [
 
 
 def test_grpo_with_two_workers_matches_one(cluster, tmp_path):
-    from rl_specdec.algorithms.grpo import train
+    from rl_specdec.grpo.loop import train
 
     rows = {}
     for n in (1, 2):

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rl_specdec.generation import PrefixSpliceError, replace_prefix_tokens
+from rl_specdec.errors import PrefixSpliceError
+from rl_specdec.rollout import replace_prefix_tokens
 
 TOK2 = SimpleNamespace(eos_token_id=2)  # the seed document's example uses eos = 2
 

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from rl_specdec.generation import ConfigError, validate_vllm_kwargs
-from rl_specdec.generation.spec_config import DRAFTER_METHODS, vllm_mtp_methods, vllm_speculative_methods
+from rl_specdec.config import ConfigError, validate_vllm_kwargs
+from rl_specdec.config.vllm_kwargs import DRAFTER_METHODS
+from rl_specdec.vllm_ext.declarations import mtp_methods as vllm_mtp_methods
+from rl_specdec.vllm_ext.declarations import speculative_methods as vllm_speculative_methods
 
 KEY = "policy.generation.vllm_kwargs"
 SPEC_KEY = f"{KEY}.speculative_config"

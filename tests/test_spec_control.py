@@ -18,11 +18,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine_debug import DebugAsyncVllmGeneration, DebugVllmGeneration
+
 from conftest import DIST_PROMPT, DIST_TOKENS, dist_samples, draft_spec, hf_token_logprobs, module_engine, position_test
 from rl_specdec.errors import ConfigError
-from rl_specdec.generation import SamplingSettings
-from rl_specdec.spec_decode import compute_spec_decode_metrics
-from rl_specdec.spec_decode.counters import DRAFT_TOKENS, DRAFTS
+from rl_specdec.rollout import SamplingSettings
+from rl_specdec.metrics import compute_spec_decode_metrics
+from rl_specdec.metrics.counters import DRAFT_TOKENS, DRAFTS
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +40,7 @@ def eng_none(request, local_ray, toy):
 
 @pytest.fixture(scope="module")
 def eng_fixed(request, local_ray, toy):
-    return module_engine(request, toy, draft_spec(toy.drafter), control={"mode": "fixed"})
+    return module_engine(request, toy, draft_spec(toy.drafter), control={"mode": "fixed"}, group_cls=DebugVllmGeneration)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +50,7 @@ def eng_adaptive(request, local_ray, toy):
 
 @pytest.fixture(scope="module")
 def eng_async(request, local_ray, toy):
-    from rl_specdec.generation.group import AsyncVllmGeneration
-
-    return module_engine(request, toy, draft_spec(toy.drafter), control={"mode": "fixed"}, group_cls=AsyncVllmGeneration)
+    return module_engine(request, toy, draft_spec(toy.drafter), control={"mode": "fixed"}, group_cls=DebugAsyncVllmGeneration)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def _first_drafts(g, prompts, first_k: int, catch_up: bool = True, max_tokens: i
 
 
 def _agreement(ref: dict, test: dict) -> tuple[int, int]:
-    from rl_specdec.generation.engine.selfcheck import agreement
+    from rl_specdec.rollout.runtime_k.selfcheck import agreement
 
     return agreement(ref, test)
 
@@ -174,7 +174,7 @@ def test_catch_up_restores_the_drafter(eng_fixed, tokenizer):
     The first draft of a verify step is the drafter's argmax given the true prefix. Negative control:
     without the catch-up the drafter's KV has holes and its first drafts differ.
     """
-    from rl_specdec.environments.sorting import SortingTask
+    from rl_specdec.tasks.sorting import SortingTask
 
     prompts = [tokenizer.encode(s.prompt) for s in SortingTask(min_len=14, max_len=24).make_batch(seed=7, n=32)]
     ref_tokens, ref = _first_drafts(eng_fixed, prompts, 3)
@@ -226,7 +226,7 @@ def test_adaptive_controller_decides_and_stays_lossless(eng_adaptive, task_promp
 def test_the_canary_disable_path_makes_the_next_call_draft_nothing(eng_adaptive, task_prompts):
     from pathlib import Path
 
-    from rl_specdec.algorithms.drafter_upkeep import DrafterUpkeep
+    from rl_specdec.drafter.upkeep import DrafterUpkeep
     from rl_specdec.config import load_config
 
     root = Path(__file__).resolve().parents[1]

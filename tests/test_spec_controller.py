@@ -27,8 +27,9 @@ import random
 
 import numpy as np
 
-from rl_specdec.generation.engine.controller import ControlSettings, Controller, bucket_ranges, features, lookup_from
-from rl_specdec.generation.engine.fastpath import StepRecord
+from rl_specdec.config import SpeculationControlConfig
+from rl_specdec.rollout.runtime_k.controller import Controller, bucket_ranges, features, lookup_from
+from rl_specdec.vllm_ext.model_runner import StepRecord
 
 K = 4
 MAX_BATCH = 256
@@ -47,7 +48,12 @@ def CPU(b, kv, kn):  # spike 14's fit: a + c_r b + [k>0](s0 + s1 b) + k (d0 + c_
 
 
 def settings(**kw):
-    return ControlSettings(k_max=K, max_batch=MAX_BATCH, **{"explore": 0.05, "seed": 1, **kw})
+    return SpeculationControlConfig(mode="adaptive", k_max=K, **{"explore": 0.05, **kw})
+
+
+def controller(s: SpeculationControlConfig, initial_k: int) -> Controller:
+    lookup = lookup_from(bucket_ranges(s.buckets, MAX_BATCH), [initial_k] * len(s.buckets))
+    return Controller(s, K, MAX_BATCH, lookup, seed=1)
 
 
 def run(table, p_accept=0.8, calls=40, initial_k=2, ctl=None, seed=0, **kw):
@@ -55,7 +61,7 @@ def run(table, p_accept=0.8, calls=40, initial_k=2, ctl=None, seed=0, **kw):
     rng = random.Random(seed)
     nrng = np.random.default_rng(seed)
     s = settings(**kw)
-    ctl = ctl or Controller(s, lookup_from(bucket_ranges(s.buckets, MAX_BATCH), [initial_k] * len(s.buckets)))
+    ctl = ctl or controller(s, initial_k)
     lookup = list(ctl.pushed)
     for _ in range(calls):
         lengths = sorted(int(8 + 120 * rng.random() ** 3) for _ in range(128))  # a long tail of rollouts
@@ -164,7 +170,7 @@ def _req(output, max_tokens=100, ignore_eos=False, stops=frozenset({9})):
 def test_tokens_past_a_stop_or_max_tokens_are_not_counted():
     from types import SimpleNamespace
 
-    from rl_specdec.generation.engine.fastpath import _acceptance
+    from rl_specdec.vllm_ext.model_runner import _acceptance
 
     out = SimpleNamespace(sampled_token_ids=[[5, 9, 7, 8]], req_id_to_index={"a": 0})  # 3 drafts accepted + bonus
     spec = {"a": [5, 9, 7]}
@@ -177,7 +183,7 @@ def test_tokens_past_a_stop_or_max_tokens_are_not_counted():
 def test_a_calls_first_step_counts_for_no_k():
     """It emits one token per request whatever k is; counted, it would lower the rate of the k in force."""
     s = settings()
-    ctl = Controller(s, lookup_from(bucket_ranges(s.buckets, MAX_BATCH), [2] * len(s.buckets)))
+    ctl = controller(s, 2)
     rec = dict(b=100, tokens=3000, drafts=0, k_verify=0, k_next=2, ctx=0, plain=False, emitted=100, period_s=0.05)
     ctl.observe(StepRecord(continuing=False, **rec))
     assert ctl.measured == {}

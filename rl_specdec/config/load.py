@@ -8,7 +8,7 @@
 3. merges onto the typed schema below, so an unknown key or a wrong type fails
    with the key's full name and the closest valid names;
 4. checks values (ranges, combinations) and the speculative config against
-   vLLM's own declarations (:mod:`rl_specdec.generation.spec_config`);
+   vLLM's own declarations (:mod:`rl_specdec.config.vllm_kwargs`);
 5. resolves model names: ``toy:policy`` / ``toy:drafter`` are the embedded toy
    models (built and cached the first time), a local-looking path must exist;
 6. resolves ``device: auto`` and ``dtype: auto`` once, for the trainer and the
@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -42,7 +43,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
         raise ConfigError(f"config file {path} does not exist; pass an existing YAML, e.g. --config configs/grpo_spec.yaml")
     try:
         cfg = OmegaConf.load(path)
-    except Exception as e:  # yaml errors come in several types
+    except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
@@ -69,23 +70,26 @@ def _apply_replace_markers(base: DictConfig, child: DictConfig, prefix: str = ""
                 _apply_replace_markers(base[k], node, f"{prefix}{k}.")
 
 
-def _all_keys(node, prefix="") -> list[str]:
+def _all_keys(node: Any, prefix: str = "") -> list[str]:
+    """Every dotted key of a plain (container) config."""
     out = []
-    if isinstance(node, DictConfig):
-        for k in node.keys():
-            full = f"{prefix}{k}"
-            out.append(full)
-            try:
-                out += _all_keys(node._get_node(k), full + ".")
-            except Exception:
-                pass
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += [f"{prefix}{k}"] + _all_keys(v, f"{prefix}{k}.")
     return out
 
 
+RENAMED = {"env": "task"}  # an old key -> its new name
+
+
 def _wrap_omegaconf_error(e: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
-    key = getattr(e, "full_key", None) or ""
+    key = e.full_key or ""
+    old = key.split(".")[0]
+    if old in RENAMED:
+        new = RENAMED[old] + key[len(old):]
+        return ConfigError(f"config key '{key}' is now '{new}'; rename it (see docs/grpo.md for every key).")
     if isinstance(e, ConfigKeyError) or "not in" in str(e):
-        valid = _all_keys(schema)
+        valid = _all_keys(OmegaConf.to_container(schema))
         close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         return ConfigError(f"unknown config key '{key}'.{hint} Remove it or fix its name (see docs/grpo.md for every key).")
@@ -140,7 +144,11 @@ def _resolve_one(name: str, key: str, toy_paths) -> str:
 
 def resolve_model_paths(cfg: RunConfig) -> None:
     """Replace toy:* names with built folders and check local paths; then validate vllm_kwargs."""
-    from rl_specdec.generation.spec_config import validate_vllm_kwargs
+    from rl_specdec.config.vllm_kwargs import validate_vllm_kwargs
+    from rl_specdec.vllm_ext import check_vllm
+
+    gen = cfg.policy.generation
+    check_vllm(gen.allow_untested_vllm, gen.vllm_hook_features())  # before anything else reads vLLM
 
     cache: dict[str, Any] = {}
 

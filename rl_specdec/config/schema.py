@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rl_specdec.generation.config import ClusterConfig, GenerationConfig
+from rl_specdec.config.generation import ClusterConfig, GenerationConfig
 
 TOY_PREFIX = "toy:"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -41,9 +41,9 @@ class PolicyConfig:
 
 
 @dataclass
-class GRPOSettings:
-    max_steps: int = 60
-    num_prompts_per_step: int = 16
+class GRPOConfig:
+    max_steps: int = 80
+    num_prompts_per_step: int = 64
     num_generations_per_prompt: int = 8  # G: samples per prompt; advantages are normalised within each group
     clip_eps: float = 0.2  # clip range of the importance ratio against the generation log-probs
     kl_coef: float = 0.0  # > 0 adds a k3 KL penalty to a frozen reference copy of the initial policy
@@ -53,14 +53,14 @@ class GRPOSettings:
     # gradient (their group all scored the same), only compute. The loss is averaged over the kept tokens.
     skip_zero_advantage: bool = True
     val_every: int = 10  # validation every N steps (0: never)
-    val_num_prompts: int = 64
+    val_num_prompts: int = 256
     self_check_prompts: int = 32  # prompts for the start-up sampling self-check (0: skip)
 
 
 @dataclass
-class EnvConfig:
+class TaskConfig:
     name: str = "sorting"
-    kwargs: dict[str, Any] = field(default_factory=lambda: {"min_len": 4, "max_len": 24})
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the task class's arguments (its defaults where unset)
 
 
 @dataclass
@@ -94,11 +94,10 @@ class RunConfig:
     seed: int = 0
     resume: bool = False
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    grpo: GRPOSettings = field(default_factory=GRPOSettings)
-    env: EnvConfig = field(default_factory=EnvConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
-# ---- loading ------------------------------------------------------------------

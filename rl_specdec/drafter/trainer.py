@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rl_specdec.generation.config import DrafterTrainingConfig
+from rl_specdec.config.generation import DrafterTrainingConfig
 
 
 def distill_batch(prompt_ids: list[list[int]], token_ids: list[list[int]], top_logprobs: list[list[dict[int, float]]], top_k: int, pad_id: int) -> dict[str, torch.Tensor]:

@@ -216,14 +216,8 @@ class PolicyGroup:
         from ray.util.placement_group import remove_placement_group
 
         for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:  # already gone
-                pass
+            ray.kill(w, no_restart=True)  # a dead actor is killed again without complaint
         self.workers = []
         if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:
-                pass
+            remove_placement_group(self.pg)
             self.pg = None

@@ -142,7 +142,7 @@ def pad_batch(seqs: list[list[int]], masks: list[list[int]], pad_id: int):
 
 def _sft_batch(rng: random.Random, cfg: ToyBuildConfig, tokenizer):
     """Token ids [B, T], a loss mask on response tokens [B, T], padded right."""
-    from rl_specdec.environments.sorting import SortingTask
+    from rl_specdec.tasks.sorting import SortingTask
 
     task = SortingTask(cfg.min_len, cfg.max_len)
     seqs, masks = [], []

@@ -1,4 +1,4 @@
-"""The long-tail toy pair: a policy and drafter for :mod:`rl_specdec.environments.longtail`.
+"""The long-tail toy pair: a policy and drafter for :mod:`rl_specdec.tasks.longtail`.
 
 Same architecture as the digit toy, with two differences the task needs:
 
@@ -35,7 +35,7 @@ FULL_EVERY = 4  # one batch in FULL_EVERY keeps its examples whole
 
 
 def _vocab() -> list[str]:
-    from rl_specdec.environments.longtail import BUDGET_MAX, number_token
+    from rl_specdec.tasks.longtail import BUDGET_MAX, number_token
 
     return [PAD, EOS] + list("0123456789=|") + [number_token(i) for i in range(BUDGET_MAX + 1)]
 
@@ -56,7 +56,7 @@ class LongTailToyConfig(PairBuildConfig):
     max_len: int = 8
 
     def task(self):
-        from rl_specdec.environments.longtail import LongTailSortTask
+        from rl_specdec.tasks.longtail import LongTailSortTask
 
         return LongTailSortTask(self.min_len, self.max_len)
 
@@ -74,7 +74,7 @@ def build_longtail_tokenizer():
 
 def _sft_batch(rng: random.Random, cfg: LongTailToyConfig, tokenizer, counter: list[int]):
     """Token ids [B, T] and a loss mask on response tokens [B, T]; see the module doc for the cut batches."""
-    from rl_specdec.environments.longtail import draw_budget, reference_response
+    from rl_specdec.tasks.longtail import draw_budget, reference_response
 
     task = cfg.task()
     full = counter[0] % FULL_EVERY == FULL_EVERY - 1

@@ -1,6 +1,6 @@
 """A toy tokenizer, chat template, policy and drafter that write hermes-style tool calls.
 
-For the lookup task (:mod:`rl_specdec.environments.lookup`). One episode, as
+For the lookup task (:mod:`rl_specdec.tasks.lookup`). One episode, as
 the model sees it after splicing (one line in reality; ``|`` marks the
 model's two turns, which SFT trains on)::
 
@@ -80,7 +80,7 @@ class ToolToyConfig(PairBuildConfig):
     batch_size: int = 32
 
     def task(self):
-        from rl_specdec.environments.lookup import LookupTask
+        from rl_specdec.tasks.lookup import LookupTask
 
         return LookupTask(self.key_len, self.value_len, self.num_keys)
 
@@ -126,7 +126,7 @@ def sft_example(tok, episode, guess: str | None = None) -> tuple[list[int], list
     With ``guess``, the model answers it at once without calling the tool (the
     behaviour RL has to train away: a guessed value is almost never right).
     """
-    from rl_specdec.environments.lookup import model_tool_call
+    from rl_specdec.tasks.lookup import model_tool_call
 
     prompt = ("<tools>lookup</tools>" + episode.key + "=", 0)
     if guess is not None:
