@@ -52,10 +52,7 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print) -> dict:
     eos = tokenizer.eos_token_id
 
     def sorting_reward(prompts, completions, answer, completion_ids, **_):
-        return [
-            task.score(c.strip(), a, eos in ids).reward
-            for c, a, ids in zip(completions, answer, completion_ids)
-        ]
+        return [task.score(c.strip(), a, eos in ids).reward for c, a, ids in zip(completions, answer, completion_ids)]
 
     B = g.num_prompts_per_step * g.num_generations_per_prompt
     mb = min(cfg.policy.micro_batch_size, B)
@@ -120,7 +117,10 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print) -> dict:
         processing_class=tokenizer,
         callbacks=[StepClock()],
     )
-    log(f"  TRL GRPOTrainer: {steps} steps, batch {B} ({g.num_prompts_per_step} prompts x {g.num_generations_per_prompt}), transformers generate")
+    log(
+        f"  TRL GRPOTrainer: {steps} steps, batch {B} ({g.num_prompts_per_step} prompts x "
+        f"{g.num_generations_per_prompt}), transformers generate"
+    )
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
@@ -129,9 +129,19 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print) -> dict:
     for i, t in enumerate(times["step"]):
         gt = times["generate"][i] if i < len(times["generate"]) else float("nan")
         tk = tokens[i] if i < len(tokens) else float("nan")
-        rows.append({"step": i + 1, "step_s": t, "generate_s": gt, "tokens": tk, "reward": logs[i].get("reward") if i < len(logs) else None})
+        rows.append(
+            {
+                "step": i + 1,
+                "step_s": t,
+                "generate_s": gt,
+                "tokens": tk,
+                "reward": logs[i].get("reward") if i < len(logs) else None,
+            }
+        )
     summary = summarize(rows, skip_first=1 if len(rows) > 1 else 0)
-    summary.update(wall_s=wall, steps=steps, batch=B, generation="transformers.generate", trl_version=__import__("trl").__version__)
+    summary.update(
+        wall_s=wall, steps=steps, batch=B, generation="transformers.generate", trl_version=__import__("trl").__version__
+    )
     return {"rows": rows, "summary": summary}
 
 

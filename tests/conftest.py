@@ -118,8 +118,13 @@ def ensure_local_ray(num_cpus: int = RAY_TEST_CPUS) -> None:
 
     if not ray.is_initialized():
         path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH")) if p)
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": path}})
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": path}},
+        )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -145,7 +150,18 @@ def local_ray():
     ray.shutdown()
 
 
-def start_engine(policy_path, spec: dict[str, Any] | None, *, num_engines: int = 1, cpus_per_engine: int | None = None, env_vars=None, cluster=None, control=None, group_cls=None, **extra_kwargs):
+def start_engine(
+    policy_path,
+    spec: dict[str, Any] | None,
+    *,
+    num_engines: int = 1,
+    cpus_per_engine: int | None = None,
+    env_vars=None,
+    cluster=None,
+    control=None,
+    group_cls=None,
+    **extra_kwargs,
+):
     """A VllmGeneration (or ``group_cls``) on the toy policy, with ``spec`` as its speculative_config
     and ``control`` (a dict) as its speculation_control."""
     from rl_specdec.config import GenerationConfig, SpeculationControlConfig, validate_vllm_kwargs
@@ -219,7 +235,9 @@ def dist_samples(g, tokenizer, seed: int, n: int = DIST_SAMPLES) -> list[list[in
     """``n`` temperature-1 samples of ``DIST_TOKENS`` tokens after ``DIST_PROMPT``."""
     from rl_specdec.rollout import SamplingSettings
 
-    out = g.generate([tokenizer.encode(DIST_PROMPT)] * n, SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=seed))
+    out = g.generate(
+        [tokenizer.encode(DIST_PROMPT)] * n, SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=seed)
+    )
     return out.token_ids
 
 
@@ -254,5 +272,3 @@ def position_test(a: list[list[int]], b: list[list[int]], n_pos: int = DIST_TOKE
         pvals.append(float(chi2_contingency(table)[1]))
     assert pvals, "no position had two categories: the test prompt has no randomness"
     return min(1.0, min(pvals) * len(pvals)), pvals
-
-

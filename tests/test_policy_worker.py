@@ -2,11 +2,11 @@
 
 import torch
 
+from rl_specdec.config import PolicyConfig
 from rl_specdec.grpo import ClippedPGLoss
 from rl_specdec.grpo.batch import Trajectory, build_train_batch
-from rl_specdec.config import PolicyConfig
 from rl_specdec.policy import PolicyWorker, token_logprobs_and_entropy
-from rl_specdec.toy.build import build_toy_models, build_tokenizer
+from rl_specdec.toy.build import build_tokenizer, build_toy_models
 
 
 def _batch():
@@ -51,12 +51,16 @@ def test_micro_batching_matches_one_full_batch():
     # The gradients agree up to fp32 rounding: the micro-batches sum the same terms in another order.
     ga, gb = dict(whole.model.named_parameters()), dict(micro.model.named_parameters())
     for name in ga:
-        assert (ga[name].grad - gb[name].grad).abs().max() <= grad_tolerance(ga[name].grad, len(batch["input_ids"])), name
+        assert (ga[name].grad - gb[name].grad).abs().max() <= grad_tolerance(ga[name].grad, len(batch["input_ids"])), (
+            name
+        )
     # So do the parameters, within what one Adam step makes of that rounding (adam_step_tolerance).
     sa, sb, s0 = whole.state_dict_for_refit(), micro.state_dict_for_refit(), started(path).state_dict_for_refit()
     lr, eps = whole.config.learning_rate, whole.opt.defaults["eps"]
     for name, p in ga.items():
-        bound = adam_step_tolerance(ga[name].grad, gb[name].grad, grad_tolerance(ga[name].grad, len(batch["input_ids"])), lr, eps)
+        bound = adam_step_tolerance(
+            ga[name].grad, gb[name].grad, grad_tolerance(ga[name].grad, len(batch["input_ids"])), lr, eps
+        )
         rounding = 4 * FP32_EPS * (s0[name].abs() + lr)  # the step's own fp32 arithmetic, in either run
         assert ((sa[name] - sb[name]).abs() <= bound + rounding).all(), name
     assert any((sa[k] - s0[k]).abs().max() > 0 for k in sa)  # it trained
@@ -117,9 +121,21 @@ def test_buckets_are_bounded_and_in_order():
     from rl_specdec.policy.state import bucketed
 
     tied = torch.zeros(10)
-    items = [(["a", "a2"], tied), (["b"], torch.zeros(30)), (["c"], torch.zeros(5)), (["d"], torch.zeros(100)), (["e"], None), (["f"], torch.zeros(1))]
+    items = [
+        (["a", "a2"], tied),
+        (["b"], torch.zeros(30)),
+        (["c"], torch.zeros(5)),
+        (["d"], torch.zeros(100)),
+        (["e"], None),
+        (["f"], torch.zeros(1)),
+    ]
     out = list(bucketed(items, max_bytes=160))  # float32: 40 (once), 120, 20, 400, -, 4 bytes
-    assert [list(b) for b in out] == [["a", "a2", "b"], ["c"], ["d"], ["f"]]  # d alone: larger than a bucket; e: another rank's
+    assert [list(b) for b in out] == [
+        ["a", "a2", "b"],
+        ["c"],
+        ["d"],
+        ["f"],
+    ]  # d alone: larger than a bucket; e: another rank's
     assert out[0]["a"] is out[0]["a2"] is tied  # a tied tensor: both names, one tensor (serialised once)
 
 

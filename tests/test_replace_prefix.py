@@ -23,7 +23,20 @@ def test_seed_document_example():
     model_prefix = [11, 12, 13, 40, 41, 220, 17, 2]
     template_prefix = [11, 12, 13, 40, 41, 1001, 2]
     template = [11, 12, 13, 40, 41, 1001, 2, 21, 22, 40, 41]
-    assert replace_prefix_tokens(TOK2, model_prefix, template_prefix, template) == [11, 12, 13, 40, 41, 220, 17, 2, 21, 22, 40, 41]
+    assert replace_prefix_tokens(TOK2, model_prefix, template_prefix, template) == [
+        11,
+        12,
+        13,
+        40,
+        41,
+        220,
+        17,
+        2,
+        21,
+        22,
+        40,
+        41,
+    ]
 
 
 def test_first_turn_returns_the_template():

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from rl_specdec.errors import ConfigError
 from rl_specdec.config.serving import ServerConfig, check_reasoning_parser
+from rl_specdec.errors import ConfigError
 from rl_specdec.vllm_ext import openai_app as srv
 
 
 def test_hooks_are_where_we_expect_them():
-    """OnlineRenderer.preprocess_chat/_completion and OpenAIServingChat's two methods have the signatures we override."""
+    """OnlineRenderer.preprocess_chat/_completion and OpenAIServingChat's two methods have the signatures we
+    override."""
     from rl_specdec import vllm_ext
 
     vllm_ext.probe_failures.cache_clear()
@@ -61,7 +62,13 @@ def test_app_state_wires_one_renderer_into_every_handler():
 def test_rl_fields_survive_vllm_request_schema():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    m = {"role": "assistant", "content": "12", "prompt_token_ids": [5, 3], "generation_token_ids": [3, 1], "generation_log_probs": [-0.1, -0.2]}
+    m = {
+        "role": "assistant",
+        "content": "12",
+        "prompt_token_ids": [5, 3],
+        "generation_token_ids": [3, 1],
+        "generation_log_probs": [-0.1, -0.2],
+    }
     r = ChatCompletionRequest.model_validate({"model": "x", "messages": [{"role": "user", "content": "21"}, m]})
     assert r.messages[1] == m  # TypedDict messages keep unknown keys whole
 
@@ -83,7 +90,9 @@ def test_unknown_fields_are_found_with_their_paths():
         }
     )
     assert sorted(srv.unknown_fields(r)) == ["frob", "messages[0].foo", "stream_options.zzz"]
-    ok = ChatCompletionRequest.model_validate({"model": "x", "messages": [{"role": "user", "content": "1"}], "top_k": 5, "return_token_ids": True})
+    ok = ChatCompletionRequest.model_validate(
+        {"model": "x", "messages": [{"role": "user", "content": "1"}], "top_k": 5, "return_token_ids": True}
+    )
     assert srv.unknown_fields(ok) == []
     assert srv.unknown_fields(CompletionRequest.model_validate({"model": "x", "prompt": "1", "frob": 1})) == ["frob"]
 
@@ -93,7 +102,9 @@ def test_tools_with_strict_are_known():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
-    r = ChatCompletionRequest.model_validate({"model": "x", "messages": [{"role": "user", "content": "1"}], "tools": [tool]})
+    r = ChatCompletionRequest.model_validate(
+        {"model": "x", "messages": [{"role": "user", "content": "1"}], "tools": [tool]}
+    )
     assert srv.unknown_fields(r) == []
 
 
@@ -140,10 +151,21 @@ def test_server_binds_loopback_only_by_default():
 
 
 def test_serve_args():
-    cfg = ServerConfig(chat_template="{{ messages }}", served_model_name="toy", tool_call_parser="hermes", enable_auto_tool_choice=True, api_key="k")
+    cfg = ServerConfig(
+        chat_template="{{ messages }}",
+        served_model_name="toy",
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
+        api_key="k",
+    )
     cfg.check()
     a = srv.serve_args("/m", cfg)
-    assert a.served_model_name == ["toy"] and a.tool_call_parser == "hermes" and a.enable_auto_tool_choice and a.api_key == ["k"]
+    assert (
+        a.served_model_name == ["toy"]
+        and a.tool_call_parser == "hermes"
+        and a.enable_auto_tool_choice
+        and a.api_key == ["k"]
+    )
     assert a.model == "/m" and a.disable_log_stats and a.chat_template == "{{ messages }}"
     with pytest.raises(ConfigError, match="differs from the engine"):
         check_reasoning_parser(ServerConfig(reasoning_parser="deepseek_r1"), "qwen3")
@@ -154,7 +176,9 @@ def test_group_refuses_a_reasoning_parser_that_differs_from_the_engines():
     from rl_specdec.config import GenerationConfig
     from rl_specdec.rollout.group import AsyncVllmGeneration
 
-    cfg = GenerationConfig(num_engines=1, cpus_per_engine=1, vllm_kwargs={"reasoning_parser": "qwen3"}, self_check=False)
+    cfg = GenerationConfig(
+        num_engines=1, cpus_per_engine=1, vllm_kwargs={"reasoning_parser": "qwen3"}, self_check=False
+    )
     with pytest.raises(ConfigError, match="server.reasoning_parser 'deepseek_r1' differs"):
         AsyncVllmGeneration("/no/model", cfg, server={"reasoning_parser": "deepseek_r1"})
 

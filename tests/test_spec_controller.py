@@ -28,7 +28,7 @@ import random
 import numpy as np
 
 from rl_specdec.config import SpeculationControlConfig
-from rl_specdec.rollout.runtime_k.controller import Controller, bucket_ranges, features, lookup_from
+from rl_specdec.rollout.runtime_k.controller import Controller, bucket_ranges, lookup_from
 from rl_specdec.vllm_ext.model_runner import StepRecord
 
 K = 4
@@ -44,7 +44,14 @@ def CHEAP(b, kv, kn):
 
 
 def CPU(b, kv, kn):  # spike 14's fit: a + c_r b + [k>0](s0 + s1 b) + k (d0 + c_v b), split into verify and draft halves
-    return 3.6 + 0.257 * b + (kv > 0) * (1.0 + 0.02 * b) + kv * 0.09 * b + (kn > 0) * (0.94 + 0.02 * b) + kn * (1.21 + 0.082 * b)
+    return (
+        3.6
+        + 0.257 * b
+        + (kv > 0) * (1.0 + 0.02 * b)
+        + kv * 0.09 * b
+        + (kn > 0) * (0.94 + 0.02 * b)
+        + kn * (1.21 + 0.082 * b)
+    )
 
 
 def settings(**kw):
@@ -73,9 +80,20 @@ def run(table, p_accept=0.8, calls=40, initial_k=2, ctl=None, seed=0, **kw):
             kn = lookup[b]
             t = table(b, kv, kn) * 1e-3 * math.exp(rng.gauss(0, 0.1))
             acc = [int(nrng.binomial(b, p_accept ** (i + 1))) for i in range(kv)]
-            rec = StepRecord(b=b, tokens=b * (1 + kv), drafts=b * kv, k_verify=kv, k_next=kn, ctx=ctx, plain=kv == kn == 0,
-                             continuing=step > 0, emitted=b + sum(acc), drafted_pp=[b] * kv or None,
-                             accepted_pp=acc or None, period_s=t)
+            rec = StepRecord(
+                b=b,
+                tokens=b * (1 + kv),
+                drafts=b * kv,
+                k_verify=kv,
+                k_next=kn,
+                ctx=ctx,
+                plain=kv == kn == 0,
+                continuing=step > 0,
+                emitted=b + sum(acc),
+                drafted_pp=[b] * kv or None,
+                accepted_pp=acc or None,
+                period_s=t,
+            )
             if prev is not None:
                 new = ctl.step(prev, b)
                 lookup = new if new is not None else lookup
@@ -102,7 +120,7 @@ def test_useless_drafter_picks_zero_even_when_verification_is_cheap():
 
 def oracle_rates(table, p, b):
     """True tokens per ms at batch b for each steady k."""
-    return [b * (1 + sum(p ** i for i in range(1, k + 1))) / table(b, k, k) for k in range(K + 1)]
+    return [b * (1 + sum(p**i for i in range(1, k + 1))) / table(b, k, k) for k in range(K + 1)]
 
 
 def test_cpu_costs_speculate_at_small_batch_and_choose_near_the_best_k():
@@ -177,7 +195,11 @@ def test_tokens_past_a_stop_or_max_tokens_are_not_counted():
     prior = [1, 2]  # tokens the request had before this step (the runner appends this step's before we read it)
     assert _acceptance(spec, out, {"a": _req(prior + [5, 9, 7, 8])}) == ([1, 1, 1], [1, 1, 0], 2)  # stops at 9
     assert _acceptance(spec, out, {"a": _req(prior + [5, 9, 7, 8], ignore_eos=True)}) == ([1, 1, 1], [1, 1, 1], 4)
-    assert _acceptance(spec, out, {"a": _req(prior + [5, 9, 7, 8], max_tokens=3, stops=())}) == ([1, 1, 1], [1, 0, 0], 1)
+    assert _acceptance(spec, out, {"a": _req(prior + [5, 9, 7, 8], max_tokens=3, stops=())}) == (
+        [1, 1, 1],
+        [1, 0, 0],
+        1,
+    )
 
 
 def test_a_calls_first_step_counts_for_no_k():

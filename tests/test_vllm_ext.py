@@ -33,15 +33,24 @@ def test_every_hook_probe_passes_on_the_installed_vllm(module):
 
 def test_the_package_holds_every_touch_of_vllm_internals():
     """Outside vllm_ext, rl_specdec imports only vLLM's public API (and nothing under vllm.v1 but the engine)."""
-    public = ("from vllm import", "from vllm.engine.arg_utils import", "from vllm.v1.engine.async_llm import",
-              "from vllm.inputs import", "from vllm.sampling_params import")
+    public = (
+        "from vllm import",
+        "from vllm.engine.arg_utils import",
+        "from vllm.v1.engine.async_llm import",
+        "from vllm.inputs import",
+        "from vllm.sampling_params import",
+    )
     offenders = []
     for path in (ROOT / "rl_specdec").rglob("*.py"):
         if "vllm_ext" in path.parts:
             continue
         for line in path.read_text().splitlines():
             s = line.strip()
-            if (s.startswith("from vllm") or s.startswith("import vllm")) and s != "import vllm" and not s.startswith(public):
+            if (
+                (s.startswith("from vllm") or s.startswith("import vllm"))
+                and s != "import vllm"
+                and not s.startswith(public)
+            ):
                 offenders.append(f"{path.relative_to(ROOT)}: {s}")
     assert not offenders, offenders
 
@@ -53,7 +62,10 @@ def test_the_gate_passes_here():
 
 def test_another_vllm_version_is_refused_unless_allowed(monkeypatch, caplog):
     monkeypatch.setattr(vllm_ext, "installed_version", lambda: "0.33.1")
-    with pytest.raises(VllmIncompatible, match=r"vLLM 0\.33\.1 is installed.*written and tested for vLLM 0\.32\.0.*allow_untested_vllm=true"):
+    with pytest.raises(
+        VllmIncompatible,
+        match=r"vLLM 0\.33\.1 is installed.*written and tested for vLLM 0\.32\.0.*allow_untested_vllm=true",
+    ):
         vllm_ext.check_vllm(False)
     vllm_ext._warn_once.cache_clear()
     vllm_ext.check_vllm(True)  # the override: a warning, no error
@@ -65,7 +77,9 @@ def test_a_moved_hook_is_refused_naming_it_even_with_the_override(monkeypatch):
 
     monkeypatch.delattr(SpecDecodeBaseProposer, "_get_slot_mapping")
     vllm_ext.check_vllm(False, ("core",))  # run-time k is not used: its hooks are not needed
-    with pytest.raises(VllmIncompatible, match=r"vLLM 0\.32\.0.*drafter_kv: .*SpecDecodeBaseProposer\._get_slot_mapping"):
+    with pytest.raises(
+        VllmIncompatible, match=r"vLLM 0\.32\.0.*drafter_kv: .*SpecDecodeBaseProposer\._get_slot_mapping"
+    ):
         vllm_ext.check_vllm(True, ("core", "runtime_k"))
 
 

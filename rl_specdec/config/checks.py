@@ -6,8 +6,8 @@ Each error names the key and the fix. None of these needs a model file.
 from __future__ import annotations
 
 from rl_specdec.config.schema import LOG_LEVELS, PolicyConfig, RunConfig
-from rl_specdec.errors import ConfigError
 from rl_specdec.config.speculation import validate_speculation
+from rl_specdec.errors import ConfigError
 
 
 def cuda_available() -> bool:
@@ -68,10 +68,14 @@ def validate(cfg: RunConfig) -> None:
     if cfg.task.name not in TASKS:
         raise ConfigError(f"task.name={cfg.task.name!r} is not a known task; choose one of {sorted(TASKS)}")
     if cfg.cluster.placement_strategy not in PLACEMENT_STRATEGIES:
-        raise ConfigError(f"cluster.placement_strategy={cfg.cluster.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+        raise ConfigError(
+            f"cluster.placement_strategy={cfg.cluster.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or "
+            "STRICT_SPREAD"
+        )
     if p.device == "cuda" and not cfg.cluster.address and not cuda_available():
         raise ConfigError(
-            "policy.device=cuda but this machine sees no CUDA device and cluster.address is not set (the local Ray instance has no GPU); "
+            "policy.device=cuda but this machine sees no CUDA device and cluster.address is not set (the local Ray "
+            "instance has no GPU); "
             "set policy.device=auto or cpu, or join a GPU cluster with cluster.address"
         )
 
@@ -85,23 +89,37 @@ def validate_policy_parallel(p: PolicyConfig) -> None:
     if p.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"policy.device={p.device!r} must be auto, cpu or cuda")
     if p.strategy not in ("ddp", "fsdp2"):
-        raise ConfigError(f"policy.strategy={p.strategy!r} must be ddp (replicated data parallel) or fsdp2 (sharded: FSDP2 fully_shard)")
+        raise ConfigError(
+            f"policy.strategy={p.strategy!r} must be ddp (replicated data parallel) or fsdp2 (sharded: FSDP2 "
+            "fully_shard)"
+        )
     positive("policy.gpus_per_worker", p.gpus_per_worker, allow_zero=True)
     positive("policy.cpus_per_worker", p.cpus_per_worker, allow_zero=True)
     positive("policy.refit_bucket_bytes", p.refit_bucket_bytes)
     if p.num_threads is not None:
         positive("policy.num_threads", p.num_threads)
     if p.placement_strategy not in PLACEMENT_STRATEGIES:
-        raise ConfigError(f"policy.placement_strategy={p.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+        raise ConfigError(
+            f"policy.placement_strategy={p.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD"
+        )
     if p.gpus_per_worker > 1:
-        raise ConfigError(f"policy.gpus_per_worker={p.gpus_per_worker}: a worker trains on one GPU; use policy.num_workers for more GPUs")
+        raise ConfigError(
+            f"policy.gpus_per_worker={p.gpus_per_worker}: a worker trains on one GPU; use policy.num_workers for more "
+            "GPUs"
+        )
     if p.num_workers > 1 or p.strategy == "fsdp2":
         import torch.distributed as dist
 
         if not dist.is_available():
-            raise ConfigError(f"policy.num_workers={p.num_workers}, policy.strategy={p.strategy} need torch.distributed, which this torch build lacks; use policy.num_workers=1 with ddp")
+            raise ConfigError(
+                f"policy.num_workers={p.num_workers}, policy.strategy={p.strategy} need torch.distributed, which this "
+                "torch build lacks; use policy.num_workers=1 with ddp"
+            )
     if p.strategy == "fsdp2":
         try:
             from torch.distributed.fsdp import fully_shard  # noqa: F401  (torch >= 2.6)
         except ImportError as e:
-            raise ConfigError(f"policy.strategy=fsdp2 needs torch.distributed.fsdp.fully_shard (torch >= 2.6): {e}; use policy.strategy=ddp") from e
+            raise ConfigError(
+                f"policy.strategy=fsdp2 needs torch.distributed.fsdp.fully_shard (torch >= 2.6): {e}; use "
+                "policy.strategy=ddp"
+            ) from e

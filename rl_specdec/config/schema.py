@@ -27,15 +27,21 @@ class PolicyConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch_size: int = 64  # sequences per forward/backward (per worker); gradients accumulate to one step
-    num_threads: Optional[int] = None  # torch threads per worker on CPU (default: the host's cores shared by its workers)
+    num_threads: Optional[int] = (
+        None  # torch threads per worker on CPU (default: the host's cores shared by its workers)
+    )
     device: str = "auto"  # auto (cuda where the loading process sees CUDA, else cpu) | cpu | cuda; resolved at load
     # Data parallelism: num_workers Ray actors train one model with torch.distributed (gloo on CPU,
     # NCCL on GPU). ddp replicates the model; fsdp2 shards parameters, gradients and AdamW state.
     num_workers: int = 1
     strategy: str = "ddp"  # ddp | fsdp2
     gpus_per_worker: float = 1.0  # with device=cuda; 0 = reserve none and share the engines' GPUs (cuda:<local rank>)
-    cpus_per_worker: float = 0.0  # CPUs each worker reserves; 0 = none (the trainer and the engines take turns on the cores)
-    placement_strategy: str = "PACK"  # Ray placement of the workers' bundles: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    cpus_per_worker: float = (
+        0.0  # CPUs each worker reserves; 0 = none (the trainer and the engines take turns on the cores)
+    )
+    placement_strategy: str = (
+        "PACK"  # Ray placement of the workers' bundles: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    )
     refit_bucket_bytes: int = 256 * 2**20  # refit streams the weights to the engines in dicts of at most this size
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
@@ -99,5 +105,3 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-
-

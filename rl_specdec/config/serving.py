@@ -53,10 +53,15 @@ class ServerConfig:
             raise ConfigError("server.enable_auto_tool_choice needs server.tool_call_parser (e.g. hermes)")
         tools = declarations.tool_call_parsers()
         if self.tool_call_parser and self.tool_call_parser not in tools:
-            raise ConfigError(f"server.tool_call_parser {self.tool_call_parser!r} is not one of vLLM's: {', '.join(sorted(tools))}")
+            raise ConfigError(
+                f"server.tool_call_parser {self.tool_call_parser!r} is not one of vLLM's: {', '.join(sorted(tools))}"
+            )
         reasoners = declarations.reasoning_parsers()
         if self.reasoning_parser and self.reasoning_parser not in reasoners:
-            raise ConfigError(f"server.reasoning_parser {self.reasoning_parser!r} is not one of vLLM's: {', '.join(sorted(reasoners))}")
+            raise ConfigError(
+                f"server.reasoning_parser {self.reasoning_parser!r} is not one of vLLM's: "
+                f"{', '.join(sorted(reasoners))}"
+            )
         t = self.chat_template
         if t is not None and not any(c in t for c in "{}\n") and not os.path.isfile(t):
             raise ConfigError(f"server.chat_template {t!r} is neither a Jinja template nor an existing file")

@@ -21,8 +21,10 @@ NOT_TRAINABLE = {
     "ngram": "proposes from the prompt and history: there is no drafter model to train",
     "ngram_gpu": "proposes from the prompt and history: there is no drafter model to train",
     "suffix": "proposes from a suffix tree of past outputs: there is no drafter model to train",
-    "eagle": "trains on the target's hidden states, which vLLM's rollouts do not return; refit a head trained elsewhere",
-    "eagle3": "trains on the target's hidden states, which vLLM's rollouts do not return; refit a head trained elsewhere",
+    "eagle": "trains on the target's hidden states, which vLLM's rollouts do not return; refit a head trained "
+    "elsewhere",
+    "eagle3": "trains on the target's hidden states, which vLLM's rollouts do not return; refit a head trained "
+    "elsewhere",
     "mtp": "its heads are part of the policy checkpoint and are refit with the policy",
 }
 
@@ -61,7 +63,8 @@ def validate_drafter_training(gen: GenerationConfig) -> None:
         _positive(f"{KEY}.drafter_training.{name}", getattr(d, name))
     if d.max_sequences < 0:
         raise ConfigError(
-            f"{KEY}.drafter_training.max_sequences={d.max_sequences} must be >= 0 (0 trains on every rollout of the step)"
+            f"{KEY}.drafter_training.max_sequences={d.max_sequences} must be >= 0 (0 trains on every rollout of the "
+            "step)"
         )
     if not 1 <= d.top_k <= 20:
         raise ConfigError(
@@ -108,7 +111,8 @@ def _check_control_numbers(c: SpeculationControlConfig, k: int) -> None:
         )
     if not 0 <= c.explore <= 0.5:
         raise ConfigError(
-            f"{key}.explore={c.explore} must be in [0, 0.5] (the fraction of steps that try another k; 0.03 is typical)."
+            f"{key}.explore={c.explore} must be in [0, 0.5] (the fraction of steps that try another k; 0.03 is "
+            "typical)."
         )
     if not 0 <= c.min_gain <= 1:
         raise ConfigError(
@@ -142,5 +146,6 @@ def _check_control_engine(gen: GenerationConfig) -> None:
     if multi or kw.get("distributed_executor_backend") not in (None, "uni"):
         raise ConfigError(
             f"{key}.mode={mode} needs the engine's worker in the engine core's process (a UniProc executor): remove "
-            "tensor_parallel_size/pipeline_parallel_size/distributed_executor_backend from vllm_kwargs, or set mode=off."
+            "tensor_parallel_size/pipeline_parallel_size/distributed_executor_backend from vllm_kwargs, or set "
+            "mode=off."
         )

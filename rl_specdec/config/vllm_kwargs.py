@@ -101,7 +101,9 @@ def _check_schedule(schedule: Any, k_tokens: Any, key: str) -> tuple[list[list[i
     """
     sk = f"{key}.num_speculative_tokens_per_batch_size"
     try:
-        parsed = declarations.parse_speculation_schedule([list(e) if isinstance(e, (list, tuple)) else e for e in schedule])
+        parsed = declarations.parse_speculation_schedule(
+            [list(e) if isinstance(e, (list, tuple)) else e for e in schedule]
+        )
     except (ValueError, TypeError) as e:
         raise ConfigError(
             f"{sk}: {e} Write it as a list of [first_batch_size, last_batch_size, k] ranges starting at 1, "
@@ -120,6 +122,46 @@ def _check_schedule(schedule: Any, k_tokens: Any, key: str) -> tuple[list[list[i
     return [list(e) for e in parsed], int(k_tokens)
 
 
+def _check_method(spec: dict[str, Any], key: str) -> str:
+    """The method is one vLLM declares, and every key is a field of vLLM's SpeculativeConfig."""
+    methods = declarations.speculative_methods()
+    method = spec.get("method")
+    if method is None:
+        raise ConfigError(f"{key}.method is missing; set it to one of {methods}.")
+    if method not in methods:
+        raise ConfigError(f"{key}.method={method!r} is not a vLLM speculative method; use one of {methods}.")
+    known = declarations.speculative_config_fields()
+    for k in spec:
+        if k not in known:
+            raise ConfigError(f"{key}.{k} is not a field of vLLM's SpeculativeConfig; remove it or fix the spelling.")
+    return method
+
+
+def _check_drafter(spec: dict[str, Any], method: str, policy_model: str, key: str) -> None:
+    """A drafter model where the method needs one (none where it uses none), with the policy's vocabulary."""
+    if method in DRAFTER_METHODS and not spec.get("model"):
+        raise ConfigError(
+            f"{key}.model is missing: method {method!r} needs a drafter; set {key}.model to its path or hub id."
+        )
+    if method in MODEL_FREE_METHODS and spec.get("model"):
+        raise ConfigError(f"{key}.model is set but method {method!r} uses no drafter model; remove {key}.model.")
+    if method != "draft_model" or spec.get("use_heterogeneous_vocab", False):
+        return
+    drafter_vocab, policy_vocab = _local_vocab_size(spec["model"]), _local_vocab_size(policy_model)
+    if drafter_vocab is not None and policy_vocab is not None and drafter_vocab != policy_vocab:
+        raise ConfigError(
+            f"{key}.model ({spec['model']}) has vocab_size {drafter_vocab} but the policy "
+            f"({policy_model}) has {policy_vocab}: the drafter cannot serve this target. "
+            "Use a drafter from the same model family (same tokenizer), e.g. a smaller Qwen3 for a Qwen3 policy."
+        )
+    if drafter_vocab is None or policy_vocab is None:
+        warnings.warn(
+            f"{key}: the drafter/policy vocabularies were not compared (not local folders); "
+            "vLLM checks them when the engine starts.",
+            stacklevel=3,
+        )
+
+
 def validate_speculative_config(
     spec: dict[str, Any],
     policy_model: str,
@@ -129,50 +171,21 @@ def validate_speculative_config(
     policy_load_format: str = "auto",
     async_scheduling: bool | None = None,
 ) -> dict[str, Any]:
-    spec = {k: v for k, v in spec.items() if v is not None}  # a key set to null is unset (e.g. model=null after method=suffix)
-    methods = declarations.speculative_methods()
-    method = spec.get("method")
-    if method is None:
-        raise ConfigError(f"{key}.method is missing; set it to one of {methods}.")
-    if method not in methods:
-        raise ConfigError(f"{key}.method={method!r} is not a vLLM speculative method; use one of {methods}.")
-
-    known = declarations.speculative_config_fields()
-    for k in spec:
-        if k not in known:
-            raise ConfigError(f"{key}.{k} is not a field of vLLM's SpeculativeConfig; remove it or fix the spelling.")
-
+    spec = {k: v for k, v in spec.items() if v is not None}  # a key set to null is unset (model=null after ngram)
+    method = _check_method(spec, key)
     k_tokens = spec.get("num_speculative_tokens")
     schedule = spec.get("num_speculative_tokens_per_batch_size")
     if k_tokens is None and not schedule:
         raise ConfigError(f"{key}.num_speculative_tokens is missing; set it to the number of drafted tokens, e.g. 3.")
     if k_tokens is not None and int(k_tokens) < 1:
-        raise ConfigError(f"{key}.num_speculative_tokens={k_tokens} must be >= 1 (3 is a good start); to turn speculation off set {key}=null.")
-
+        raise ConfigError(
+            f"{key}.num_speculative_tokens={k_tokens} must be >= 1 (3 is a good start); to turn speculation off set "
+            f"{key}=null."
+        )
     if schedule is not None:
         schedule, k_tokens = _check_schedule(schedule, k_tokens, key)
-
     needs_model = method in DRAFTER_METHODS
-    if needs_model and not spec.get("model"):
-        raise ConfigError(f"{key}.model is missing: method {method!r} needs a drafter; set {key}.model to its path or hub id.")
-    if method in MODEL_FREE_METHODS and spec.get("model"):
-        raise ConfigError(f"{key}.model is set but method {method!r} uses no drafter model; remove {key}.model.")
-
-    if method == "draft_model" and not spec.get("use_heterogeneous_vocab", False):
-        drafter_vocab = _local_vocab_size(spec["model"])
-        policy_vocab = _local_vocab_size(policy_model)
-        if drafter_vocab is not None and policy_vocab is not None and drafter_vocab != policy_vocab:
-            raise ConfigError(
-                f"{key}.model ({spec['model']}) has vocab_size {drafter_vocab} but the policy "
-                f"({policy_model}) has {policy_vocab}: the drafter cannot serve this target. "
-                "Use a drafter from the same model family (same tokenizer), e.g. a smaller Qwen3 for a Qwen3 policy."
-            )
-        if drafter_vocab is None or policy_vocab is None:
-            warnings.warn(
-                f"{key}: the drafter/policy vocabularies were not compared (not local folders); "
-                "vLLM checks them when the engine starts.",
-                stacklevel=2,
-            )
+    _check_drafter(spec, method, policy_model, key)
 
     rsm = spec.get("rejection_sample_method", "standard")
     if rsm == "synthetic" and training:

@@ -44,5 +44,6 @@ class AcceptanceCanary:
     def message(self, acceptance_rate: float) -> str:
         return (
             f"spec_decode canary: the acceptance rate fell to {acceptance_rate:.3f}, below {self.min_ratio:g} x its "
-            f"running median {statistics.median(self.history):.3f}, right after a refit. Likely causes: {LIKELY_CAUSES}."
+            f"running median {statistics.median(self.history):.3f}, right after a refit. Likely causes: "
+            f"{LIKELY_CAUSES}."
         )

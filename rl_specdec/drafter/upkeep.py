@@ -22,16 +22,17 @@ import random
 from pathlib import Path
 
 from rl_specdec.config import RunConfig
-from rl_specdec.errors import SpecDecodeCanaryTripped
-from rl_specdec.rollout import GenerationOutput, RolloutEngine
-from rl_specdec.metrics.logger import Timer
 from rl_specdec.drafter.canary import AcceptanceCanary
+from rl_specdec.errors import SpecDecodeCanaryTripped
+from rl_specdec.metrics.logger import Timer
+from rl_specdec.rollout import GenerationOutput, RolloutEngine
 
 logger = logging.getLogger(__name__)
 
 
 def drafter_subset(n: int, max_sequences: int, step: int) -> list[int]:
-    """Indices of the rollouts the drafter trains on at ``step``: all, or ``max_sequences`` of them at random (seeded by the step)."""
+    """Indices of the rollouts the drafter trains on at ``step``: all, or ``max_sequences`` of them at random
+    (seeded by the step)."""
     if max_sequences <= 0 or max_sequences >= n:
         return list(range(n))
     return sorted(random.Random(step).sample(range(n), max_sequences))
@@ -53,7 +54,13 @@ class DrafterUpkeep:
             from rl_specdec.drafter import RayDrafter
 
             spec = cfg.policy.generation.vllm_kwargs["speculative_config"]
-            trainer = RayDrafter(spec["model"], cfg.policy.generation.drafter_training, cfg.policy.dtype, cfg.seed, num_gpus=0.5 if on_gpu else 0)
+            trainer = RayDrafter(
+                spec["model"],
+                cfg.policy.generation.drafter_training,
+                cfg.policy.dtype,
+                cfg.seed,
+                num_gpus=0.5 if on_gpu else 0,
+            )
         return cls(cfg, trainer)
 
     # ---- per step --------------------------------------------------------------------------
@@ -92,7 +99,9 @@ class DrafterUpkeep:
 
             idx = drafter_subset(len(prompt_ids), self.training.max_sequences, step)
             pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-            self._batch = distill_batch(pick(prompt_ids), pick(out.token_ids), pick(out.top_logprobs), self.training.top_k, pad_id)
+            self._batch = distill_batch(
+                pick(prompt_ids), pick(out.token_ids), pick(out.top_logprobs), self.training.top_k, pad_id
+            )
             if self.training.overlap:
                 self.trainer.train(self._batch)
 
@@ -130,9 +139,12 @@ class DrafterUpkeep:
         if (path / "drafter").is_dir():
             self.trainer.load_checkpoint(str(path / "drafter"))
         else:
-            logger.warning("checkpoint %s has no drafter (drafter_training was off): continuing with %s", path, "the configured drafter")
+            logger.warning(
+                "checkpoint %s has no drafter (drafter_training was off): continuing with %s",
+                path,
+                "the configured drafter",
+            )
 
     def shutdown(self) -> None:
         if self.trainer is not None:
             self.trainer.shutdown()
-

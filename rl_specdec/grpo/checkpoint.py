@@ -51,7 +51,9 @@ def write_manifest(root: Path) -> None:
 def verify(root: Path) -> str | None:
     """``None`` if every file the manifest lists is there with its size and sha256, else what is wrong."""
     if not (root / MANIFEST).exists():
-        logger.warning("checkpoint %s has no %s (written by an older rl_specdec): its files cannot be verified", root, MANIFEST)
+        logger.warning(
+            "checkpoint %s has no %s (written by an older rl_specdec): its files cannot be verified", root, MANIFEST
+        )
         return None
     try:
         files = json.loads((root / MANIFEST).read_text())["files"]
@@ -98,13 +100,19 @@ class CheckpointManager:
             problem = self._problem(path)
             if problem is None:
                 for bad, why in damaged:
-                    logger.warning("checkpoint %s is damaged: %s. Falling back to the newest intact checkpoint, %s", bad, why, path.name)
+                    logger.warning(
+                        "checkpoint %s is damaged: %s. Falling back to the newest intact checkpoint, %s",
+                        bad,
+                        why,
+                        path.name,
+                    )
                 return path, json.loads((path / "trainer_state.json").read_text())
             damaged.append((path, problem))
         if damaged:
             detail = "; ".join(f"{p}: {problem}" for p, problem in damaged)
             raise CheckpointDamaged(
-                f"no intact checkpoint in {self.dir}: {detail}. Restore the files, or move the folder away and start without resume=true."
+                f"no intact checkpoint in {self.dir}: {detail}. Restore the files, or move the folder away and start "
+                "without resume=true."
             )
         return None
 

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 def save_checkpoint(run: GRPORun, step: int, row: dict[str, Any]) -> None:
-    """Atomic checkpoint after ``step`` steps; it carries the step's metric row, so a crash before logging loses nothing."""
+    """Atomic checkpoint after ``step`` steps; it carries the step's metric row, so a crash before logging
+    loses nothing."""
     state = {"step": step, "data_position": step, "seed": run.cfg.seed, "metrics": row}
 
     def save(path: str) -> None:
@@ -54,7 +55,9 @@ def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
     try:
         if run.start_step == 0 and "val/accuracy" in (row0 := baseline(run)) and show:
             tqdm.write(f"step 0: val/accuracy {row0['val/accuracy']:.3f}  (before training)")
-        bar = tqdm(range(run.start_step, g.max_steps), initial=run.start_step, total=g.max_steps, desc="GRPO", disable=not show)
+        bar = tqdm(
+            range(run.start_step, g.max_steps), initial=run.start_step, total=g.max_steps, desc="GRPO", disable=not show
+        )
         for step in bar:
             t0 = time.perf_counter()
             last = grpo_step(run, step)
@@ -66,11 +69,18 @@ def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
             run.metrics.log(last, step=step + 1)
             bar.set_postfix(_postfix(last))
             if "val/accuracy" in last:
-                bar.write(f"step {step + 1}: val/accuracy {last['val/accuracy']:.3f}  train/reward {last['train/reward_mean']:.3f}")
+                bar.write(
+                    f"step {step + 1}: val/accuracy {last['val/accuracy']:.3f}  train/reward "
+                    f"{last['train/reward_mean']:.3f}"
+                )
         bar.close()
     except BaseException as e:
         latest = run.checkpoints.latest() if run.checkpoints else None
-        where = f"; the last checkpoint is {latest[0]} (step {latest[1]['step']}), continue with resume=true" if latest else ""
+        where = (
+            f"; the last checkpoint is {latest[0]} (step {latest[1]['step']}), continue with resume=true"
+            if latest
+            else ""
+        )
         logger.error("GRPO stopped at step %d: %s: %s%s", step + 1, type(e).__name__, e, where)
         raise
     finally:

@@ -72,8 +72,16 @@ def setup(cfg: RunConfig) -> GRPORun:
         metrics.finish()
         raise
     run = GRPORun(
-        cfg, AutoTokenizer.from_pretrained(cfg.policy.model_name), make_task(cfg.task.name, **cfg.task.kwargs),
-        policy, generation, metrics, checkpoints, ClippedPGLoss(cfg.grpo.clip_eps, cfg.grpo.kl_coef), Timer(), drafter,
+        cfg,
+        AutoTokenizer.from_pretrained(cfg.policy.model_name),
+        make_task(cfg.task.name, **cfg.task.kwargs),
+        policy,
+        generation,
+        metrics,
+        checkpoints,
+        ClippedPGLoss(cfg.grpo.clip_eps, cfg.grpo.kl_coef),
+        Timer(),
+        drafter,
     )
     try:
         record_environment(run)
@@ -89,14 +97,16 @@ def setup(cfg: RunConfig) -> GRPORun:
 
 
 def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface, DrafterUpkeep]:
+    from rl_specdec.policy import PolicyGroup
     from rl_specdec.rollout.group import VllmGeneration
     from rl_specdec.rollout.placement import cluster_has_gpus, init_ray
-    from rl_specdec.policy import PolicyGroup
 
     init_ray(cfg.cluster)
     import ray
 
-    check_cluster_resources(cfg, ray.cluster_resources())  # more GPUs/CPUs than the cluster has: fail before any actor starts
+    check_cluster_resources(
+        cfg, ray.cluster_resources()
+    )  # more GPUs/CPUs than the cluster has: fail before any actor starts
     generation = VllmGeneration(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
     try:
         policy = PolicyGroup(cfg.policy, keep_reference=cfg.grpo.kl_coef > 0 or cfg.grpo.log_kl, seed=cfg.seed)
@@ -111,12 +121,15 @@ def record_environment(run: GRPORun) -> None:
     """sysinfo.txt and engine.yaml in the log folder, the engines' settings in wandb (engine/), one console line."""
     from omegaconf import OmegaConf
 
-    from rl_specdec.sysinfo import report
     from rl_specdec.rollout.engine_settings import summary_line
+    from rl_specdec.sysinfo import report
 
     gen = run.generation
     run.metrics.write_file("sysinfo.txt", report())
-    engines = [dict(info["settings"], engine=i, host=p["host"], cores=info["cpu_bind"]) for i, (info, p) in enumerate(zip(gen.engine_info, gen.placements))]
+    engines = [
+        dict(info["settings"], engine=i, host=p["host"], cores=info["cpu_bind"])
+        for i, (info, p) in enumerate(zip(gen.engine_info, gen.placements))
+    ]
     run.metrics.write_file("engine.yaml", OmegaConf.to_yaml({"engines": engines}))
     run.metrics.add_config({"engine": gen.settings})
     logger.info("%s", summary_line(gen.settings, len(engines)))

@@ -98,9 +98,15 @@ def sampling_check(run: GRPORun) -> dict[str, float]:
         return {}
     samples = run.task.validation_batch(seed=SAMPLING_CHECK_SEED, n=n)
     prompt_ids = [run.tokenizer.encode(s.prompt) for s in samples] * 4
-    report = run.generation.check_sampling(prompt_ids, max_tokens=run.cfg.policy.generation.max_new_tokens, seed=run.cfg.seed)
+    report = run.generation.check_sampling(
+        prompt_ids, max_tokens=run.cfg.policy.generation.max_new_tokens, seed=run.cfg.seed
+    )
     logger.info("sampling self-check passed: %s", report.summary())
-    return {"self_check/p_value": report.p_value, "self_check/chi2": report.chi2, "self_check/num_tokens": float(report.num_tokens)}
+    return {
+        "self_check/p_value": report.p_value,
+        "self_check/chi2": report.chi2,
+        "self_check/num_tokens": float(report.num_tokens),
+    }
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -146,7 +152,9 @@ def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
     if due(step + 1, g.val_every, g.max_steps):  # 7. validation
         with timer("validation"):
             val_metrics = evaluate(run)
-    return step_metrics(out, rewards, correct, advantages, len(keep), train_metrics, {**spec, **val_metrics}, timer.pop())
+    return step_metrics(
+        out, rewards, correct, advantages, len(keep), train_metrics, {**spec, **val_metrics}, timer.pop()
+    )
 
 
 def step_metrics(out, rewards, correct, advantages, num_trained, train_metrics, extra, times) -> dict[str, float]:
@@ -173,4 +181,8 @@ def step_metrics(out, rewards, correct, advantages, num_trained, train_metrics, 
 
 def tail_metrics(out: GenerationOutput) -> dict[str, float]:
     """The long tail of one generation step: seconds until 50%, 90% and 100% of rollouts were done."""
-    return {f"generation/time_to_{pct}pct_done": t for pct in (50, 90, 100) if (t := out.time_until_done(pct / 100)) is not None}
+    return {
+        f"generation/time_to_{pct}pct_done": t
+        for pct in (50, 90, 100)
+        if (t := out.time_until_done(pct / 100)) is not None
+    }

@@ -83,7 +83,9 @@ class MetricsLogger:
         """On resume: drop JSONL lines of steps after the checkpoint (they will be redone)."""
         if not self.path.exists():
             return
-        keep = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        keep = [
+            line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
+        ]
         self.path.write_text("".join(line + "\n" for line in keep))
 
     def add_config(self, values: dict[str, Any]) -> None:

@@ -55,4 +55,3 @@ def compute_spec_decode_metrics(start: Mapping[str, Any] | None, end: Mapping[st
         out[f"spec_decode/num_accepted_tokens_pos_{i}"] = acc_i
         out[f"spec_decode/acceptance_rate_pos_{i}"] = acc_i / drafts if drafts > 0 else 0.0
     return out
-

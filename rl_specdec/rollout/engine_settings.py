@@ -69,7 +69,11 @@ class Mismatch:
     reason: str | None
 
     def message(self) -> str:
-        name = f"{KEY}.speculative_config.{self.key.split('/', 1)[1]}" if self.key.startswith("speculative/") else f"{KEY}.{self.key}"
+        name = (
+            f"{KEY}.speculative_config.{self.key.split('/', 1)[1]}"
+            if self.key.startswith("speculative/")
+            else f"{KEY}.{self.key}"
+        )
         why = f" ({self.reason})" if self.reason else ""
         return f"{name}: requested {self.requested!r}, the engine runs {self.effective!r}{why}"
 
@@ -83,9 +87,15 @@ def requested(vllm_kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _norm(v: Any) -> Any:
+    """A setting as the engine reports it: no ``torch.`` prefix, nested tuples as lists."""
+    if isinstance(v, (list, tuple)):
+        return [list(e) if isinstance(e, (list, tuple)) else e for e in v]
+    return str(v).removeprefix("torch.")
+
+
 def _same(a: Any, b: Any) -> bool:
-    norm = lambda v: str(v).removeprefix("torch.") if not isinstance(v, (list, tuple)) else [list(e) if isinstance(e, (list, tuple)) else e for e in v]  # noqa: E731
-    return norm(a) == norm(b)
+    return _norm(a) == _norm(b)
 
 
 def mismatches(vllm_kwargs: dict[str, Any], effective: dict[str, Any]) -> list[Mismatch]:
@@ -142,7 +152,8 @@ def summary_line(settings: dict[str, Any], num_engines: int) -> str:
         if mode != "off":
             fast = "k=0 fast path" if s.get("speculation_control/k0_fast_path") else "k=0 through vLLM's path"
             k = f"k chosen at run time ({mode}, 0..{s.get('speculation_control/k_max')}, {fast})"
-        spec = f"{s['speculative/method']} {k} ({s.get('speculative/draft_sample_method')} drafts, {s.get('speculative/rejection_sample_method')} rejection)"
+        drafts, rejection = s.get("speculative/draft_sample_method"), s.get("speculative/rejection_sample_method")
+        spec = f"{s['speculative/method']} {k} ({drafts} drafts, {rejection} rejection)"
     else:
         spec = "no speculation"
     fix = {True: "CPU sampling fix applied", False: "CPU sampling fix not needed"}.get(s.get("cpu_expand_fix"), "")

@@ -27,14 +27,20 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rl_specdec.errors import GenerationEngineDied, SamplingSelfCheckFailed
-from rl_specdec.rollout import engine_settings, weights
-from rl_specdec.rollout.serving.async_worker import AsyncVllmWorker, per_prompt
 from rl_specdec.config.generation import ClusterConfig, GenerationConfig
 from rl_specdec.config.serving import ServerConfig, check_reasoning_parser
+from rl_specdec.errors import GenerationEngineDied, SamplingSelfCheckFailed
+from rl_specdec.rollout import engine_settings, weights
 from rl_specdec.rollout.interfaces import GenerationOutput, SamplingSettings
-from rl_specdec.rollout.placement import assign_cpu_binds, cluster_has_gpus, init_ray, reserve_engine_bundles, shard_sizes
+from rl_specdec.rollout.placement import (
+    assign_cpu_binds,
+    cluster_has_gpus,
+    init_ray,
+    reserve_engine_bundles,
+    shard_sizes,
+)
 from rl_specdec.rollout.sampling_guard import CalibrationReport, calibration_report
+from rl_specdec.rollout.serving.async_worker import AsyncVllmWorker, per_prompt
 from rl_specdec.rollout.worker import VllmWorker
 
 logger = logging.getLogger(__name__)
@@ -61,7 +67,9 @@ class VllmGeneration:
     def __init__(self, model: str, config: GenerationConfig, cluster: ClusterConfig | None = None, seed: int = 0):
         self._start(model, config, cluster or ClusterConfig(), seed, {})
 
-    def _start(self, model: str, config: GenerationConfig, cluster: ClusterConfig, seed: int, start_kwargs: dict[str, Any]) -> None:
+    def _start(
+        self, model: str, config: GenerationConfig, cluster: ClusterConfig, seed: int, start_kwargs: dict[str, Any]
+    ) -> None:
         self.config, self.model, self.workers, self.pg, self._checksummer = config, model, [], None, None
         self._restart_args = (cluster, seed, start_kwargs)
         init_ray(cluster)
@@ -75,7 +83,9 @@ class VllmGeneration:
                     num_cpus=0 if on_gpu else config.cpus_per_engine,
                     # the bundle's GPUs, so Ray sets CUDA_VISIBLE_DEVICES for this engine (and its TP processes)
                     num_gpus=int(config.vllm_kwargs.get("tensor_parallel_size", 1)) if on_gpu else 0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=i
+                    ),
                     runtime_env={"env_vars": {k: str(v) for k, v in config.env_vars.items()}},  # at process start
                     **self.actor_options,
                 ).remote()
@@ -88,13 +98,23 @@ class VllmGeneration:
             )
             # what the engines really run; a setting vLLM did not honour is a warning (or, strict, an error)
             self.settings = engine_settings.check(
-                config.vllm_kwargs, [i["settings"] for i in self.engine_info], config.strict_engine_settings, logger.warning
+                config.vllm_kwargs,
+                [i["settings"] for i in self.engine_info],
+                config.strict_engine_settings,
+                logger.warning,
             )
         except BaseException:  # a failed start must not leave actors or reserved CPUs/GPUs behind
             self.shutdown()
             raise
         for i, (p, info) in enumerate(zip(self.placements, self.engine_info)):
-            logger.info("engine %d on %s (node %s) cores=%s started in %.1fs", i, p["host"], p["node_id"][:8], info["cpu_bind"], info["start_s"])
+            logger.info(
+                "engine %d on %s (node %s) cores=%s started in %.1fs",
+                i,
+                p["host"],
+                p["node_id"][:8],
+                info["cpu_bind"],
+                info["start_s"],
+            )
         self.start_s = time.time() - t0
 
     def _get(self, refs):
@@ -121,10 +141,19 @@ class VllmGeneration:
 
     # ---- RolloutEngine ----------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> GenerationOutput:
-        refs = [w.generate.remote(prompt_token_ids[s], sampling, s.start) for w, s in self._shards(len(prompt_token_ids))]
+        refs = [
+            w.generate.remote(prompt_token_ids[s], sampling, s.start) for w, s in self._shards(len(prompt_token_ids))
+        ]
         return GenerationOutput.concat(self._get(refs), with_top=sampling.logprobs > 0)
 
-    def check_sampling(self, prompt_token_ids: list[list[int]], max_tokens: int, top_k: int = 5, seed: int = 0, min_p_value: float = 1e-6) -> CalibrationReport:
+    def check_sampling(
+        self,
+        prompt_token_ids: list[list[int]],
+        max_tokens: int,
+        top_k: int = 5,
+        seed: int = 0,
+        min_p_value: float = 1e-6,
+    ) -> CalibrationReport:
         """Sample at temperature 1 and refuse (raise) if the tokens are not distributed as the policy says.
 
         See :mod:`rl_specdec.rollout.sampling_guard`. Also fails when an engine's
@@ -136,7 +165,9 @@ class VllmGeneration:
                 f"engines {broken}: vLLM's rejection-sampler expand kernel returns wrong values on this platform, "
                 "so speculative sampling at temperature > 0 would not be lossless."
             )
-        out = self.generate(prompt_token_ids, SamplingSettings(max_tokens=max_tokens, temperature=1.0, seed=seed, logprobs=top_k))
+        out = self.generate(
+            prompt_token_ids, SamplingSettings(max_tokens=max_tokens, temperature=1.0, seed=seed, logprobs=top_k)
+        )
         report = calibration_report(out.token_ids, out.top_logprobs, top_k)
         if report.p_value < min_p_value:
             raise SamplingSelfCheckFailed(
@@ -160,7 +191,9 @@ class VllmGeneration:
         weights.verify_reports(reports, target, ray.get(sent))
         return max(r["time_s"] for r in reports)
 
-    def update_weights_buckets(self, buckets: Iterable[dict[str, Any] | ray.ObjectRef], target: str = "policy") -> float:
+    def update_weights_buckets(
+        self, buckets: Iterable[dict[str, Any] | ray.ObjectRef], target: str = "policy"
+    ) -> float:
         """Refit from a stream of ObjectRefs of state-dict pieces (``PolicyInterface.state_dict_buckets``).
 
         Every engine loads each bucket as it comes (vLLM's layerwise reload, opened once
@@ -188,7 +221,9 @@ class VllmGeneration:
 
     def _checksummer_actor(self):
         if self._checksummer is None:
-            self._checksummer = _Checksummer.options(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg)).remote()
+            self._checksummer = _Checksummer.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg)
+            ).remote()
         return self._checksummer
 
     def reset_prefix_cache(self) -> None:
@@ -217,7 +252,8 @@ class VllmGeneration:
         self._get([w.check_spec_control.remote() for w in self.workers])
 
     def engine_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call ``method`` of every engine's extension (``collective_rpc``); one result per engine. For tools and tests."""
+        """Call ``method`` of every engine's extension (``collective_rpc``); one result per engine.
+        For tools and tests."""
         return [r[0] for r in self._get([w.engine_rpc.remote(method, *args, **kwargs) for w in self.workers])]
 
     def disable_speculation(self) -> None:
@@ -272,7 +308,11 @@ class AsyncVllmGeneration(VllmGeneration):
     actor_options = {"max_concurrency": 1000}
 
     def __init__(
-        self, model: str, config: GenerationConfig, cluster: ClusterConfig | None = None, seed: int = 0,
+        self,
+        model: str,
+        config: GenerationConfig,
+        cluster: ClusterConfig | None = None,
+        seed: int = 0,
         server: ServerConfig | dict[str, Any] | None = None,
     ):
         """``server``: a :class:`~rl_specdec.config.serving.ServerConfig` (or its fields as a dict); None: no HTTP."""
@@ -302,7 +342,9 @@ class AsyncVllmGeneration(VllmGeneration):
         n = len(prompt_token_ids)
         settings, extras = per_prompt(sampling, n, "sampling"), per_prompt(extra, n, "extra")
         pending = [
-            w.generate_async.options(num_returns="streaming").remote(prompt_token_ids[s], settings[s], s.start, extras[s])
+            w.generate_async.options(num_returns="streaming").remote(
+                prompt_token_ids[s], settings[s], s.start, extras[s]
+            )
             for w, s in self._shards(n)
         ]
         try:

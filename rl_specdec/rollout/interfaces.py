@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
-from rl_specdec.rollout.sampling_guard import CalibrationReport
 from rl_specdec.metrics.counters import aggregate_spec_decode_counters
+from rl_specdec.rollout.sampling_guard import CalibrationReport
 
 if TYPE_CHECKING:  # typing only: the config module imports nothing from here
     from rl_specdec.config.generation import GenerationConfig
@@ -37,7 +37,12 @@ class SamplingSettings:
     @classmethod
     def from_config(cls, gen: "GenerationConfig", *, seed: int | None = None, **overrides: Any) -> "SamplingSettings":
         """The rollout settings of ``policy.generation`` (``overrides`` e.g. ``temperature=0.0`` for validation)."""
-        base = {"max_tokens": gen.max_new_tokens, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k}
+        base = {
+            "max_tokens": gen.max_new_tokens,
+            "temperature": gen.temperature,
+            "top_p": gen.top_p,
+            "top_k": gen.top_k,
+        }
         return cls(**{**base, "seed": seed, **overrides})
 
 
@@ -111,7 +116,9 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> GenerationOutput: ...
 
-    def check_sampling(self, prompt_token_ids: list[list[int]], max_tokens: int, top_k: int = 5, seed: int = 0) -> CalibrationReport:
+    def check_sampling(
+        self, prompt_token_ids: list[list[int]], max_tokens: int, top_k: int = 5, seed: int = 0
+    ) -> CalibrationReport:
         """Raise ``SamplingSelfCheckFailed`` unless temperature-1 samples follow the policy."""
         ...
 
@@ -140,7 +147,8 @@ class RolloutEngine(Protocol):
         ...
 
     def set_speculation(self, k_max: int) -> None:
-        """Draft at most ``k_max`` tokens from now on (0: speculation off, at no cost); raises where k is not settable."""
+        """Draft at most ``k_max`` tokens from now on (0: speculation off, at no cost); raises where k is not
+        settable."""
         ...
 
     def sleep(self, level: int = 1) -> None: ...

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass
 class CalibrationReport:
     observed: list[float]
@@ -47,7 +48,11 @@ def chi2_sf(x: float, dof: int) -> float:
     """P(X >= x) for X ~ chi^2(dof), via the regularized upper incomplete gamma."""
     if dof <= 0:
         return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(x / 2.0, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(x / 2.0, dtype=torch.float64)
+        )
+    )
 
 
 def _merge_small(obs: list[float], exp: list[float], min_expected: float = 5.0):
@@ -65,7 +70,9 @@ def _merge_small(obs: list[float], exp: list[float], min_expected: float = 5.0):
     return o, e
 
 
-def calibration_report(token_ids: list[list[int]], top_logprobs: list[list[dict[int, float]]] | None, top_k: int) -> CalibrationReport:
+def calibration_report(
+    token_ids: list[list[int]], top_logprobs: list[list[dict[int, float]]] | None, top_k: int
+) -> CalibrationReport:
     """Compare emitted ranks with the policy's own rank probabilities.
 
     ``token_ids`` and ``top_logprobs`` as in ``GenerationOutput``, from a call made

@@ -50,7 +50,11 @@ def unpack(weights: Iterable[Any]) -> list[tuple[str, Any]]:
             continue
         name, dtype, shape, data = w
         dt = getattr(torch, dtype)
-        t = torch.empty(shape, dtype=dt) if len(data) == 0 else torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).view(shape)
+        t = (
+            torch.empty(shape, dtype=dt)
+            if len(data) == 0
+            else torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).view(shape)
+        )
         out.append((name, t))
     return out
 
@@ -89,7 +93,11 @@ def expected_tensors(hf_config, target: str = "policy") -> tuple[dict[str, tuple
         logger.warning(
             "the %s refit's names and shapes cannot be checked: transformers cannot build %s (%s: %s). "
             "Only the checksum guards this engine's %s refits.",
-            target, type(hf_config).__name__, type(e).__name__, e, target,
+            target,
+            type(hf_config).__name__,
+            type(e).__name__,
+            e,
+            target,
         )
         return None
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -98,7 +106,9 @@ def expected_tensors(hf_config, target: str = "policy") -> tuple[dict[str, tuple
     return shapes, ({"lm_head.weight"} if tied else set())
 
 
-def problems(expected: tuple[dict[str, tuple[int, ...]], set[str]] | None, pairs: list[tuple[str, Any]], complete: bool = True) -> list[str]:
+def problems(
+    expected: tuple[dict[str, tuple[int, ...]], set[str]] | None, pairs: list[tuple[str, Any]], complete: bool = True
+) -> list[str]:
     """What is wrong with a refit ``pairs`` for a model with ``expected`` tensors ([] if nothing).
 
     ``complete=False``: ``pairs`` is one bucket of a streamed refit; names and shapes are
@@ -111,7 +121,9 @@ def problems(expected: tuple[dict[str, tuple[int, ...]], set[str]] | None, pairs
     for name, t in pairs:
         if name not in shapes:
             close = difflib.get_close_matches(name, list(shapes), n=1)
-            out.append(f"tensor {name!r} is not a parameter of the model" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            out.append(
+                f"tensor {name!r} is not a parameter of the model" + (f" (did you mean {close[0]!r}?)" if close else "")
+            )
         elif tuple(t.shape) != shapes[name]:
             out.append(f"tensor {name!r} has shape {tuple(t.shape)}, the model's is {shapes[name]}")
     if complete:
@@ -128,7 +140,9 @@ def missing(expected: tuple[dict[str, tuple[int, ...]], set[str]] | None, names:
     return [f"{len(gone)} tensor(s) missing, e.g. {gone[:3]}"] if gone else []
 
 
-def verify_reports(reports: list[dict[str, Any]], target: str, expected_checksum: str | None, streamed: bool = False) -> None:
+def verify_reports(
+    reports: list[dict[str, Any]], target: str, expected_checksum: str | None, streamed: bool = False
+) -> None:
     """Fail closed: every engine loaded the whole refit, and holds the bytes that were sent."""
     from rl_specdec.errors import WeightIntegrityError
 
@@ -136,7 +150,8 @@ def verify_reports(reports: list[dict[str, Any]], target: str, expected_checksum
     for i, r in enumerate(reports):
         if r["problems"]:
             raise WeightIntegrityError(
-                f"engine {i} refused the {target} refit ({kept}): " + "; ".join(r["problems"])
+                f"engine {i} refused the {target} refit ({kept}): "
+                + "; ".join(r["problems"])
                 + ". The trainer's state dict does not match the engine's model: check that both load the same "
                 "architecture (policy.model_name / speculative_config.model) and that names are Hugging Face names."
             )
@@ -147,4 +162,6 @@ def verify_reports(reports: list[dict[str, Any]], target: str, expected_checksum
             )
     sums = {r.get("checksum") for r in reports}
     if len(sums) > 1:
-        raise WeightIntegrityError(f"the engines hold different {target} weights after one refit (checksums {sorted(sums)})")
+        raise WeightIntegrityError(
+            f"the engines hold different {target} weights after one refit (checksums {sorted(sums)})"
+        )

@@ -92,7 +92,9 @@ class VllmWorkerBase:
         self.sleep_available = platform.sleep_available()
         self.platform = platform.device_type()
 
-    def _start_info(self, t0: float, cpu_bind: str | None, facts: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    def _start_info(
+        self, t0: float, cpu_bind: str | None, facts: dict[str, Any], settings: dict[str, Any]
+    ) -> dict[str, Any]:
         return {
             "settings": settings,
             "start_s": time.time() - t0,
@@ -115,7 +117,9 @@ class VllmWorkerBase:
 
     # ---- requests and results --------------------------------------------------------
     @staticmethod
-    def _sampling_params(sampling: SamplingSettings, seed_index: int, extra: dict[str, Any] | None = None, **fixed: Any):
+    def _sampling_params(
+        sampling: SamplingSettings, seed_index: int, extra: dict[str, Any] | None = None, **fixed: Any
+    ):
         """vLLM ``SamplingParams`` for request ``seed_index`` of a call (seeded ``seed + seed_index``)."""
         from vllm import SamplingParams
 
@@ -146,7 +150,9 @@ class VllmWorkerBase:
         }
 
     @staticmethod
-    def _batch_result(samples: list[dict[str, Any]], time_s: float, finish_time_s: list[float], want_top: bool) -> dict[str, Any]:
+    def _batch_result(
+        samples: list[dict[str, Any]], time_s: float, finish_time_s: list[float], want_top: bool
+    ) -> dict[str, Any]:
         """One call's samples (in input order) in the layout ``GenerationOutput.concat`` joins."""
         return {
             "token_ids": [s["token_ids"] for s in samples],

@@ -2,7 +2,8 @@
 
 A new task implements the :class:`Task` protocol (see docs/grpo.md):
 ``make_batch(seed, n)`` returns ``n`` training problems deterministically from
-a seed, ``validation_batch(seed, n)`` held-out problems, and ``score(response, answer, finished)`` turns one decoded response into a
+a seed, ``validation_batch(seed, n)`` held-out problems, and
+``score(response, answer, finished)`` turns one decoded response into a
 reward. Tasks see text; the loop converts with the policy's tokenizer, so the
 generation engine only ever sees token ids.
 """

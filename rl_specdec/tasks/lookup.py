@@ -103,7 +103,17 @@ def _turn(msg: dict[str, Any], finish_reason: str) -> dict[str, Any]:
     }
 
 
-async def play(client, model: str, task: LookupTask, episode: Episode, *, seed: int, temperature: float = 1.0, max_tokens=(48, 8), extra_body=None) -> dict[str, Any]:
+async def play(
+    client,
+    model: str,
+    task: LookupTask,
+    episode: Episode,
+    *,
+    seed: int,
+    temperature: float = 1.0,
+    max_tokens=(48, 8),
+    extra_body=None,
+) -> dict[str, Any]:
     """One episode: the model calls the tool, gets the result, answers.
 
     Returns ``ids`` (the whole episode's token ids, as the last turn's prompt plus
@@ -115,8 +125,13 @@ async def play(client, model: str, task: LookupTask, episode: Episode, *, seed: 
     turns, call_key = [], None
     for t in range(2):
         r = await client.chat.completions.create(
-            model=model, messages=msgs, tools=[LOOKUP_TOOL], temperature=temperature, seed=seed + t,
-            max_tokens=max_tokens[t], extra_body=extra_body(t) if extra_body else None,
+            model=model,
+            messages=msgs,
+            tools=[LOOKUP_TOOL],
+            temperature=temperature,
+            seed=seed + t,
+            max_tokens=max_tokens[t],
+            extra_body=extra_body(t) if extra_body else None,
         )
         choice = r.choices[0]
         msg = choice.message.to_dict()  # keeps prompt_token_ids / generation_token_ids / generation_log_probs
@@ -147,7 +162,19 @@ async def play(client, model: str, task: LookupTask, episode: Episode, *, seed: 
     }
 
 
-async def play_many(base_url: str, model: str, task: LookupTask, episodes: list[Episode], *, seed: int, group: int = 1, concurrency: int = 32, api_key: str = "unused", timeout: float = 600.0, **kw) -> list[dict[str, Any]]:
+async def play_many(
+    base_url: str,
+    model: str,
+    task: LookupTask,
+    episodes: list[Episode],
+    *,
+    seed: int,
+    group: int = 1,
+    concurrency: int = 32,
+    api_key: str = "unused",
+    timeout: float = 600.0,
+    **kw,
+) -> list[dict[str, Any]]:
     """``group`` plays of every episode (episode-major order), ``concurrency`` at a time, with ``AsyncOpenAI``."""
     from openai import AsyncOpenAI
 

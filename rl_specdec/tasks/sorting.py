@@ -83,14 +83,18 @@ class SortingTask:
 
     def _fresh(self, seed: int, n: int, held_out: bool) -> list[Sample]:
         if self.holdout_every < 2:
-            raise ValueError(f"holdout_every={self.holdout_every} must be >= 2 (1 in holdout_every answers is held out)")
+            raise ValueError(
+                f"holdout_every={self.holdout_every} must be >= 2 (1 in holdout_every answers is held out)"
+            )
         rng = random.Random(seed)
         span = self.max_len - self.min_len + 1
         lengths = [self.min_len + (i * span) // n for i in range(n)]
         rng.shuffle(lengths)
         return [self.draw(rng, k, held_out) for k in lengths]
 
-    def draw(self, rng: random.Random, length: int | None = None, held_out: bool = False, max_tries: int = 10_000) -> Sample:
+    def draw(
+        self, rng: random.Random, length: int | None = None, held_out: bool = False, max_tries: int = 10_000
+    ) -> Sample:
         """A random problem (of this length, else of a random one) from the training or the validation split."""
         length = rng.randint(self.min_len, self.max_len) if length is None else length
         for _ in range(max_tries):
@@ -98,7 +102,10 @@ class SortingTask:
             if self.is_held_out(s) == held_out:
                 return s
         split = "validation" if held_out else "training"
-        raise ValueError(f"no {split} problem of length {length} found in {max_tries} draws; use longer strings (min_len) or change holdout_every")
+        raise ValueError(
+            f"no {split} problem of length {length} found in {max_tries} draws; use longer strings (min_len) or "
+            "change holdout_every"
+        )
 
     def score(self, response: str, answer: str, finished: bool) -> TaskReward:
         """Score one decoded response (EOS stripped) against the answer."""

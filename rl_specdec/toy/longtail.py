@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from rl_specdec.toy.build import EOS, PAD, ModelShape, PairBuildConfig, ToyModels, build_pair, cache_root, pad_batch, qwen2_config
+from rl_specdec.toy import build
+from rl_specdec.toy.build import EOS, PAD, ModelShape, PairBuildConfig, ToyModels
 
 LONGTAIL_BUILD_VERSION = 1
 MAX_POSITIONS = 512
@@ -89,13 +90,13 @@ def _sft_batch(rng: random.Random, cfg: LongTailToyConfig, tokenizer, counter: l
             ids, mask = ids[:SHORT_TOKENS], mask[:SHORT_TOKENS]
         seqs.append(ids)
         masks.append(mask)
-    return pad_batch(seqs, masks, tokenizer.pad_token_id)
+    return build.pad_batch(seqs, masks, tokenizer.pad_token_id)
 
 
 def build_longtail_models(cfg: LongTailToyConfig | None = None, root: Path | None = None, log=print) -> ToyModels:
     """The long-tail pair's folders, built the first time (cached under its own key)."""
     cfg = cfg or LongTailToyConfig()
-    out = ToyModels(Path(root) if root else cache_root() / "toy-longtail" / cfg.key())
+    out = ToyModels(Path(root) if root else build.cache_root() / "toy-longtail" / cfg.key())
     if not (out.root / "DONE").exists():
         _build(out.root, cfg, log)
     return out
@@ -106,11 +107,11 @@ def _build(root: Path, cfg: LongTailToyConfig, log) -> None:
     log(f"[toy] building the long-tail policy and drafter into {root} (first run only, ~3 min)")
     counter = [0]  # batches drawn so far: every FULL_EVERY-th keeps its examples whole
     vocab, eos, pad = model_vocab_size(), tokenizer.eos_token_id, tokenizer.pad_token_id
-    build_pair(
+    build.build_pair(
         root,
         cfg,
         tokenizer,
         lambda rng: _sft_batch(rng, cfg, tokenizer, counter),
         log,
-        lambda shape: qwen2_config(shape, vocab, eos, pad, max_positions=MAX_POSITIONS),
+        lambda shape: build.qwen2_config(shape, vocab, eos, pad, max_positions=MAX_POSITIONS),
     )

@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 
-def stale_pieces(drafter_valid: dict[str, int], step_start: dict[str, int], row_of: dict[str, int], budget: int) -> list[tuple[int, int, int]]:
+def stale_pieces(
+    drafter_valid: dict[str, int], step_start: dict[str, int], row_of: dict[str, int], budget: int
+) -> list[tuple[int, int, int]]:
     """(row, start, end) pieces of at most ``budget`` tokens for the stale requests of this step.
 
     Requests of the step are removed from ``drafter_valid`` (they are caught up now);
@@ -99,7 +101,9 @@ def drafter_prefill(runner, batch: list[tuple[int, int, int]]) -> None:
     )
     _, per_layer = drafter.build_per_group_and_layer_attn_metadata(cad)
     drafter.input_ids[:n_tok] = torch.from_numpy(tok).to(drafter.input_ids.dtype)
-    with set_forward_context(per_layer, drafter.vllm_config, num_tokens=n_tok, slot_mapping=drafter._get_slot_mapping(n_tok, slot)):
+    with set_forward_context(
+        per_layer, drafter.vllm_config, num_tokens=n_tok, slot_mapping=drafter._get_slot_mapping(n_tok, slot)
+    ):
         drafter.model(input_ids=drafter.input_ids[:n_tok], positions=torch.from_numpy(pos), inputs_embeds=None)
 
 
@@ -111,8 +115,19 @@ def _probe() -> None:
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-    need = {"query_start_loc", "query_start_loc_cpu", "seq_lens", "num_reqs", "num_actual_tokens", "max_query_len",
-            "max_seq_len", "block_table_tensor", "slot_mapping", "causal", "seq_lens_cpu_upper_bound"}
+    need = {
+        "query_start_loc",
+        "query_start_loc_cpu",
+        "seq_lens",
+        "num_reqs",
+        "num_actual_tokens",
+        "max_query_len",
+        "max_seq_len",
+        "block_table_tensor",
+        "slot_mapping",
+        "causal",
+        "seq_lens_cpu_upper_bound",
+    }
     missing = sorted(need - {f.name for f in dataclasses.fields(CommonAttentionMetadata)})
     if "slot_mapping" not in inspect.signature(set_forward_context).parameters:
         missing.append("set_forward_context(slot_mapping=)")

@@ -34,14 +34,37 @@ from typing import Any, Callable
 
 from rl_specdec.vllm_ext.drafter_kv import catch_up
 
-RUNNER_ATTRS = ("execute_model", "sample_tokens", "propose_draft_token_ids", "speculative_config", "drafter", "rejection_sampler",
-                "input_batch", "requests", "use_async_scheduling", "parallel_config")
-DRAFTER_ATTRS = ("input_ids", "model", "build_per_group_and_layer_attn_metadata", "_get_slot_mapping", "vllm_config",
-                 "kv_cache_gid", "propose")
+RUNNER_ATTRS = (
+    "execute_model",
+    "sample_tokens",
+    "propose_draft_token_ids",
+    "speculative_config",
+    "drafter",
+    "rejection_sampler",
+    "input_batch",
+    "requests",
+    "use_async_scheduling",
+    "parallel_config",
+)
+DRAFTER_ATTRS = (
+    "input_ids",
+    "model",
+    "build_per_group_and_layer_attn_metadata",
+    "_get_slot_mapping",
+    "vllm_config",
+    "kv_cache_gid",
+    "propose",
+)
 FIELDS = {  # vLLM dataclass -> the fields read here
-    "vllm.v1.core.sched.output.SchedulerOutput": ("num_spec_tokens_to_schedule", "scheduled_spec_decode_tokens",
-        "num_scheduled_tokens", "scheduled_new_reqs", "scheduled_cached_reqs", "finished_req_ids",
-        "total_num_scheduled_tokens"),
+    "vllm.v1.core.sched.output.SchedulerOutput": (
+        "num_spec_tokens_to_schedule",
+        "scheduled_spec_decode_tokens",
+        "num_scheduled_tokens",
+        "scheduled_new_reqs",
+        "scheduled_cached_reqs",
+        "finished_req_ids",
+        "total_num_scheduled_tokens",
+    ),
     "vllm.v1.core.sched.output.CachedRequestData": ("req_ids", "resumed_req_ids", "num_computed_tokens"),
     "vllm.v1.core.sched.output.NewRequestData": ("req_id", "num_computed_tokens"),
     "vllm.v1.outputs.ModelRunnerOutput": ("sampled_token_ids", "req_id_to_index"),
@@ -75,7 +98,9 @@ def probe(runner) -> list[str]:
     if sc is None:
         return ["speculation is off"]
     if not sc.uses_draft_model():
-        problems.append(f"method {sc.method!r}: the fast path and the drafter catch-up are written for draft_model only")
+        problems.append(
+            f"method {sc.method!r}: the fast path and the drafter catch-up are written for draft_model only"
+        )
     problems += [f"the drafter has no {a}" for a in DRAFTER_ATTRS if not hasattr(runner.drafter, a)]
     if runner.use_async_scheduling:
         problems.append("async scheduling is on (the scheduler pre-allocates draft placeholders)")
@@ -219,7 +244,9 @@ class FastPath:
         starts = self.step_start = _starts(so)
         spec = so.scheduled_spec_decode_tokens
         cached = so.scheduled_cached_reqs.req_ids
-        plain = self.plain_steps and so.total_num_scheduled_tokens > 0 and so.num_spec_tokens_to_schedule == 0 and not spec
+        plain = (
+            self.plain_steps and so.total_num_scheduled_tokens > 0 and so.num_spec_tokens_to_schedule == 0 and not spec
+        )
         self._cur = StepRecord(
             b=len(so.num_scheduled_tokens),
             tokens=so.total_num_scheduled_tokens,
@@ -288,7 +315,10 @@ def count_plain_step_calls(fastpath: FastPath, counts: dict[str, int]) -> Callab
     """Count drafter proposals and rejection-sampler calls made during plain steps into ``counts``
     (keys ``drafter``, ``rejection_sampler``), with instance wrappers; returns the function that removes them."""
     runner, wrapped = fastpath.runner, []
-    for key, obj, name in (("drafter", runner.drafter, "propose"), ("rejection_sampler", runner.rejection_sampler, "forward")):
+    for key, obj, name in (
+        ("drafter", runner.drafter, "propose"),
+        ("rejection_sampler", runner.rejection_sampler, "forward"),
+    ):
         orig = getattr(obj, name)
 
         def counted(*a, _orig=orig, _key=key, **kw):

@@ -37,7 +37,13 @@ def serve_args(model: str, cfg: Any, engine_reasoning_parser: str | None = None)
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     argv = ["--model", model, "--host", cfg.host, "--port", str(cfg.port)]
-    argv += ["--disable-log-stats", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", "--disable-fastapi-docs"]
+    argv += [
+        "--disable-log-stats",
+        "--disable-uvicorn-access-log",
+        "--uvicorn-log-level",
+        "warning",
+        "--disable-fastapi-docs",
+    ]
     if cfg.chat_template is not None:
         argv += ["--chat-template", cfg.chat_template]
     if cfg.served_model_name:
@@ -83,7 +89,10 @@ def _rl_classes(splice: Callable[..., list[int]]):
         def _check_request(self, request):
             bad = unknown_fields(request) if self.reject_unknown else []
             if bad:
-                raise VLLMValidationError(f"unknown request field(s): {', '.join(bad)} (not part of vLLM's request schema; remove them)", parameter=bad[0])
+                raise VLLMValidationError(
+                    f"unknown request field(s): {', '.join(bad)} (not part of vLLM's request schema; remove them)",
+                    parameter=bad[0],
+                )
             for name, why in _unhonoured(request, self.speculative):
                 raise VLLMValidationError(f"{name} is not supported by this engine: {why}", parameter=name)
 
@@ -94,7 +103,9 @@ def _rl_classes(splice: Callable[..., list[int]]):
             conversation, engine_inputs = await super().preprocess_chat(request, messages, *args, **kwargs)
             if j is None:
                 return conversation, engine_inputs
-            prefix_request = request.model_copy(update={"add_generation_prompt": False, "continue_final_message": False})
+            prefix_request = request.model_copy(
+                update={"add_generation_prompt": False, "continue_final_message": False}
+            )
             _, (prefix_input,) = await super().preprocess_chat(prefix_request, prefix, *args, **kwargs)
             (engine_input,) = engine_inputs
             m = messages[j]
@@ -152,7 +163,10 @@ def _spliced_turn(messages: list[Any], error: type[Exception]) -> int | None:
             continue
         has = [m.get(k) is not None for k in RL_MESSAGE_FIELDS[:2]]
         if any(has) and not all(has):
-            raise error(f"messages[{j}] carries only one of prompt_token_ids/generation_token_ids; send both or neither", parameter=f"messages[{j}]")
+            raise error(
+                f"messages[{j}] carries only one of prompt_token_ids/generation_token_ids; send both or neither",
+                parameter=f"messages[{j}]",
+            )
         if all(has):
             for k in RL_MESSAGE_FIELDS[:2]:
                 v = m[k]
@@ -191,7 +205,13 @@ def unknown_fields(obj: Any, path: str = "") -> list[str]:
         for name, value in obj.__dict__.items():  # field values, without tripping deprecated-field warnings
             if name == "messages" and isinstance(value, list):
                 allowed = _message_keys()
-                found += [f"{path}messages[{i}].{k}" for i, m in enumerate(value) if isinstance(m, dict) for k in m if k not in allowed and m[k] is not None]
+                found += [
+                    f"{path}messages[{i}].{k}"
+                    for i, m in enumerate(value)
+                    if isinstance(m, dict)
+                    for k in m
+                    if k not in allowed and m[k] is not None
+                ]
             elif isinstance(value, (BaseModel, list)):
                 found += unknown_fields(value, f"{path}{name}.")
     elif isinstance(obj, list):
@@ -207,7 +227,9 @@ def _unhonoured(request: Any, speculative: bool) -> list[tuple[str, str]]:
         return []
     out = []
     if getattr(request, "logit_bias", None):
-        out.append(("logit_bias", "vLLM ignores it under speculative decoding (no logits processors in the rejection sampler)"))
+        out.append(
+            ("logit_bias", "vLLM ignores it under speculative decoding (no logits processors in the rejection sampler)")
+        )
     if (getattr(request, "min_p", None) or 0.0) > 0.0:
         out.append(("min_p", "vLLM ignores it under speculative decoding"))
     return out
@@ -219,10 +241,37 @@ def check_vllm_hooks() -> None:
     from vllm.renderers.online_renderer import OnlineRenderer
 
     expected = {
-        (OnlineRenderer, "preprocess_chat"): ["self", "request", "messages", "default_template", "default_template_content_format", "default_template_kwargs", "tool_dicts", "parser", "skip_mm_cache"],
-        (OnlineRenderer, "preprocess_completion"): ["self", "request", "prompt_input", "prompt_embeds", "skip_mm_cache"],
+        (OnlineRenderer, "preprocess_chat"): [
+            "self",
+            "request",
+            "messages",
+            "default_template",
+            "default_template_content_format",
+            "default_template_kwargs",
+            "tool_dicts",
+            "parser",
+            "skip_mm_cache",
+        ],
+        (OnlineRenderer, "preprocess_completion"): [
+            "self",
+            "request",
+            "prompt_input",
+            "prompt_embeds",
+            "skip_mm_cache",
+        ],
         (OpenAIServingChat, "create_chat_completion"): ["self", "request", "raw_request"],
-        (OpenAIServingChat, "chat_completion_full_generator"): ["self", "request", "result_generator", "request_id", "model_name", "conversation", "tokenizer", "request_metadata", "parser", "mm_token_counts"],
+        (OpenAIServingChat, "chat_completion_full_generator"): [
+            "self",
+            "request",
+            "result_generator",
+            "request_id",
+            "model_name",
+            "conversation",
+            "tokenizer",
+            "request_metadata",
+            "parser",
+            "mm_token_counts",
+        ],
     }
     for (cls, name), params in expected.items():
         fn = getattr(cls, name, None)
@@ -272,7 +321,9 @@ async def build_app(engine: Any, cfg: Any, splice: Callable[..., list[int]]):
     await init_app_state(engine, app.state, args, tasks)
     install_rl_hooks(app.state, cfg, splice)
     sock = create_server_socket((cfg.host, cfg.port), reuse_port=False)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30, backlog=2048)
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30, backlog=2048
+    )
     server = NoSignalServer(config)  # the host process (a Ray actor) owns its signals
     app.state.server = server  # vLLM's engine-dead handler stops the server through it
     return app, server, sock

@@ -27,7 +27,9 @@ def check_lookup(lookup: list[int], length: int, k_max: int) -> list[int]:
     """``lookup`` as a list of ints, or ValueError naming what is wrong."""
     lookup = [int(k) for k in lookup]
     if len(lookup) != length:
-        raise ValueError(f"the lookup needs {length} entries (index = number of scheduled requests, 0 unused), got {len(lookup)}")
+        raise ValueError(
+            f"the lookup needs {length} entries (index = number of scheduled requests, 0 unused), got {len(lookup)}"
+        )
     if min(lookup) < 0 or max(lookup) > k_max:
         raise ValueError(f"every k must be in 0..{k_max} (the engine's num_speculative_tokens)")
     return lookup
@@ -58,7 +60,9 @@ def _make_scheduler_cls():
     return SettableKScheduler
 
 
-__getattr__ = lazy_classes(__name__, globals(), {SCHEDULER_NAME: _make_scheduler_cls})  # vLLM resolves scheduler_cls by qualname
+__getattr__ = lazy_classes(
+    __name__, globals(), {SCHEDULER_NAME: _make_scheduler_cls}
+)  # vLLM resolves scheduler_cls by qualname
 
 
 def registered_scheduler():

@@ -129,13 +129,15 @@ def read_settings(worker) -> dict[str, Any]:
     }
     if spec is not None:
         sched_k = spec.num_speculative_tokens_per_batch_size
-        out.update({
-            "speculative/method": spec.method,
-            "speculative/num_speculative_tokens": spec.num_speculative_tokens,
-            "speculative/num_speculative_tokens_per_batch_size": [list(e) for e in sched_k] if sched_k else None,
-            "speculative/draft_sample_method": spec.draft_sample_method,
-            "speculative/rejection_sample_method": spec.rejection_sample_method,
-        })
+        out.update(
+            {
+                "speculative/method": spec.method,
+                "speculative/num_speculative_tokens": spec.num_speculative_tokens,
+                "speculative/num_speculative_tokens_per_batch_size": [list(e) for e in sched_k] if sched_k else None,
+                "speculative/draft_sample_method": spec.draft_sample_method,
+                "speculative/rejection_sample_method": spec.rejection_sample_method,
+            }
+        )
     return out
 
 
@@ -168,7 +170,10 @@ def _probe_reload() -> None:
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
     params = list(inspect.signature(reload_weights).parameters)
-    if params[:4] != ["vllm_config", "model", "weights_iterator", "weights_path"] or "is_checkpoint_format" not in params:
+    if (
+        params[:4] != ["vllm_config", "model", "weights_iterator", "weights_path"]
+        or "is_checkpoint_format" not in params
+    ):
         raise RuntimeError(f"reload.inplace.reload_weights takes ({', '.join(params)})")
 
 

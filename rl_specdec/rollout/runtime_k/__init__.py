@@ -1,4 +1,5 @@
-"""Run-time k: each engine changes its number of drafted tokens while it runs (``policy.generation.speculation_control``).
+"""Run-time k: each engine changes its number of drafted tokens while it runs
+(``policy.generation.speculation_control``).
 
 An opt-in feature for ``draft_model`` speculation, removable as a unit:
 

@@ -17,7 +17,8 @@ import os
 from typing import Any
 
 from rl_specdec.config.generation import SpeculationControlConfig
-from rl_specdec.rollout.runtime_k.controller import Controller, Tally, bucket_ranges, ks_of
+from rl_specdec.rollout.runtime_k.controller import Controller, bucket_ranges, ks_of
+from rl_specdec.rollout.runtime_k.metrics import Tally
 from rl_specdec.rollout.runtime_k.selfcheck import SelfCheck, SelfCheckHooks
 from rl_specdec.vllm_ext import worker as vx
 from rl_specdec.vllm_ext.model_runner import FastPath, probe
@@ -68,7 +69,9 @@ class SpecControl:
             return
         self.started = True
         if self.mode == "adaptive":
-            self.controller = Controller(self.config, self.k_max, self.max_batch, list(self.sched.dynamic_sd_lookup), self.seed)
+            self.controller = Controller(
+                self.config, self.k_max, self.max_batch, list(self.sched.dynamic_sd_lookup), self.seed
+            )
             self.fp.listeners.append(self._control_step)
         else:
             self.fp.listeners.append(lambda rec, so: self.tally.add(rec, None, False))

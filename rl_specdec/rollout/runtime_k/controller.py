@@ -50,6 +50,7 @@ import random
 import numpy as np
 
 from rl_specdec.config.generation import SpeculationControlConfig
+from rl_specdec.rollout.runtime_k.metrics import Tally
 
 REFIT_EVERY = 8  # observations between refits of the cost model
 MEASURED_DECAY = 0.95  # per step counted for a (bucket, k): direct measurements forget over ~20 steps
@@ -166,44 +167,12 @@ class AcceptanceModel:
         return self._lengths[min(k, len(self._lengths) - 1)]
 
 
-class Tally:
-    """Realised and predicted tokens per second since the last report, over the same steps: those the
-    controller predicted (every decode step once its cost model is ready), else every decode step."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.steps = self.explored = self.catch_up = 0
-        self.all = [0.0, 0.0]  # emitted tokens, seconds: every decode step
-        self.pred = [0.0, 0.0, 0.0, 0.0]  # predicted tokens, predicted seconds, emitted tokens, seconds
-
-    def add(self, rec, predicted: tuple[float, float] | None, exploring: bool) -> None:
-        self.catch_up += rec.catch_up
-        if rec.period_s is None or rec.catch_up:
-            return
-        self.steps += 1
-        self.explored += int(exploring)
-        self.all[0] += rec.emitted
-        self.all[1] += rec.period_s
-        if predicted is not None:
-            for i, v in enumerate((predicted[0], predicted[1], rec.emitted, rec.period_s)):
-                self.pred[i] += v
-
-    def report(self) -> dict:
-        out = {"timed_steps": self.steps, "explore_steps": self.explored, "catch_up_tokens": self.catch_up}
-        if self.pred[1] > 0 and self.pred[3] > 0:
-            out["predicted_tokens_per_s"] = self.pred[0] / self.pred[1]
-            out["realised_tokens_per_s"] = self.pred[2] / self.pred[3]
-        elif self.all[1] > 0:
-            out["realised_tokens_per_s"] = self.all[0] / self.all[1]
-        return out
-
-
 class Controller:
     """One engine's controller: feed it :meth:`step` once per engine step; it returns a new lookup when k changes."""
 
-    def __init__(self, config: SpeculationControlConfig, k_max: int, max_batch: int, initial_lookup: list[int], seed: int = 0):
+    def __init__(
+        self, config: SpeculationControlConfig, k_max: int, max_batch: int, initial_lookup: list[int], seed: int = 0
+    ):
         """``config``: the run's ``speculation_control``; ``k_max``: the engine's largest k; ``max_batch``: its
         max_num_seqs (the lookup has ``max_batch + 1`` entries); ``initial_lookup``: the scheduler's lookup now."""
         self.config = config
@@ -215,7 +184,9 @@ class Controller:
         self.b_mean = [math.sqrt(lo * hi) for lo, hi in self.ranges]
         self.ctx_per_req = [64.0] * len(self.ranges)
         self.pre_per_step = [0.0] * len(self.ranges)
-        self.measured: dict[tuple[int, int], list[float]] = {}  # (bucket, k) -> decayed [emitted, seconds, steps, requests, E[L(k)]]
+        self.measured: dict[
+            tuple[int, int], list[float]
+        ] = {}  # (bucket, k) -> decayed [emitted, seconds, steps, requests, E[L(k)]]
         self.burst: list | None = None  # [bucket (None: every bucket), k, steps left]
         self.rng = random.Random(seed)
         self.tally = Tally()
@@ -294,11 +265,15 @@ class Controller:
         rates = [b * self.acc.expected_length(k) / t for k, t in enumerate(times)]
         cells = {k: c for (jj, k), c in self.measured.items() if jj == j and k <= self.cap and c[1] > 0 and c[3] > 0}
         seen = {k: self.measured_rate(j, k, c) for k, c in cells.items()}
-        scale = seen[0] / rates[0] if 0 in seen and cells[0][2] >= MIN_MEASURED else 1.0  # the model, calibrated on k=0 here
+        scale = (
+            seen[0] / rates[0] if 0 in seen and cells[0][2] >= MIN_MEASURED else 1.0
+        )  # the model, calibrated on k=0 here
         out = []
         for k, r in enumerate(rates):
             n = cells[k][2] if k in seen else 0.0
-            out.append((n * seen.get(k, 0.0) + PRIOR_STEPS * r * scale) / (n + PRIOR_STEPS))  # measured, shrunk to the model
+            out.append(
+                (n * seen.get(k, 0.0) + PRIOR_STEPS * r * scale) / (n + PRIOR_STEPS)
+            )  # measured, shrunk to the model
         return out
 
     def decide(self) -> None:
@@ -306,14 +281,18 @@ class Controller:
         self._since_fit = 0
         if not self.cost.ready(self.cap):
             return
-        if self.warming:  # the warm-up's cells measured every k at once (and often start-up checks): start afresh at k=0
+        if (
+            self.warming
+        ):  # the warm-up's cells measured every k at once (and often start-up checks): start afresh at k=0
             self.warming, self.measured, self.choice = False, {}, [0] * len(self.ranges)
         self.cost.fit()
         for j in range(len(self.ranges)):
             rates = self.predicted_rates(j)
             if rates is None:
                 continue
-            measured = [rates[k] for k in range(1, len(rates)) if self.measured.get((j, k), (0, 0, 0))[2] >= MIN_MEASURED]
+            measured = [
+                rates[k] for k in range(1, len(rates)) if self.measured.get((j, k), (0, 0, 0))[2] >= MIN_MEASURED
+            ]
             best = max(range(len(rates)), key=rates.__getitem__)
             if max(measured, default=0.0) <= rates[0] * (1.0 + self.config.min_gain):
                 best = 0  # speculate only where a measured k>0 pays by a margin: never lose to k=0

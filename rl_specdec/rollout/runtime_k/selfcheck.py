@@ -89,7 +89,8 @@ class SelfCheck:
         self.stats0: dict = {}
 
     def phase(self, name: str):
-        """"reference" and "switch" prepare a generate call (they return the prompts); "verdict" returns the problems."""
+        """Phases "reference" and "switch" prepare a generate call (they return the prompts); "verdict"
+        returns the problems."""
         h = self.hooks
         if name == "reference":
             self.set_k(self.k_max)
@@ -124,5 +125,8 @@ class SelfCheck:
             problems.append("the drafter was never caught up after the plain steps")
         same, total = agreement(self.reference, drafts)
         if total < MIN_COMPARED or same < MIN_AGREEMENT * total:
-            problems.append(f"after catch-up the drafter's first drafts agree with a drafter that ran every step at {same}/{total} positions")
+            problems.append(
+                "after catch-up the drafter's first drafts agree with a drafter that ran every step at "
+                f"{same}/{total} positions"
+            )
         return problems

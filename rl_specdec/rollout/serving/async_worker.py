@@ -94,7 +94,9 @@ class AsyncVllmWorker(VllmWorkerBase):
         from vllm.inputs import TokensPrompt
 
         final = None
-        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, uuid.uuid4().hex):
+        async for out in self.engine.generate(
+            TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, uuid.uuid4().hex
+        ):
             final = out
         if final is None:
             raise RuntimeError("the engine finished the request without an output (aborted?)")
@@ -126,7 +128,9 @@ class AsyncVllmWorker(VllmWorkerBase):
 
         async def one(i: int, p: list[int]) -> None:
             try:
-                params = self._sampling_params(settings[i], offset + i, extras[i], output_kind=RequestOutputKind.FINAL_ONLY)
+                params = self._sampling_params(
+                    settings[i], offset + i, extras[i], output_kind=RequestOutputKind.FINAL_ONLY
+                )
                 res: Any = (await self._run(p, params))[0]
             except BaseException as e:  # noqa: BLE001  (handed to the consumer)
                 res = e
@@ -144,7 +148,13 @@ class AsyncVllmWorker(VllmWorkerBase):
                 if not t.done():
                     t.cancel()  # AsyncLLM.generate aborts a cancelled request
 
-    async def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, offset: int = 0, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingSettings,
+        offset: int = 0,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """All samples in input order, in the synchronous worker's layout."""
         t0 = time.time()
         results: dict[int, dict[str, Any]] = {}
@@ -152,7 +162,9 @@ class AsyncVllmWorker(VllmWorkerBase):
         async for i, s in self.generate_async(prompt_token_ids, sampling, offset, extra):
             results[i], done[i] = s, time.time() - t0
         order = [offset + i for i in range(len(prompt_token_ids))]
-        result = self._batch_result([results[i] for i in order], time.time() - t0, [done[i] for i in order], sampling.logprobs > 0)
+        result = self._batch_result(
+            [results[i] for i in order], time.time() - t0, [done[i] for i in order], sampling.logprobs > 0
+        )
         if self.control_on:
             result["spec_control"] = (await self.engine_rpc("rl_specdec_spec_report"))[0]
         return result

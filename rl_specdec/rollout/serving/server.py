@@ -39,7 +39,7 @@ class RunningServer:
             await asyncio.wait_for(asyncio.shield(self.task), timeout)
         except asyncio.TimeoutError:
             pass  # forced below
-        except Exception as e:  # the server failed while serving: say so, and stop anyway
+        except Exception as e:  # noqa: BLE001  the server failed while serving: say so, and stop anyway
             logger.warning("the HTTP server ended with %s: %s", type(e).__name__, e)
         if not self.task.done():
             self.server.force_exit = True
@@ -68,4 +68,6 @@ async def start_openai_server(engine: Any, cfg: ServerConfig, start_timeout: flo
             raise TimeoutError(f"the HTTP server did not start within {start_timeout:.0f}s")
         await asyncio.sleep(0.02)
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-    return RunningServer(base_url=f"http://{host}:{port}/v1", server=server, task=task, app=app, start_s=time.monotonic() - t0)
+    return RunningServer(
+        base_url=f"http://{host}:{port}/v1", server=server, task=task, app=app, start_s=time.monotonic() - t0
+    )
