@@ -22,7 +22,19 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agent_grpo.py"
 
 
 def run_seed(seed: int, args) -> dict:
-    cmd = [sys.executable, str(EXAMPLE), "--json", "--seed", str(seed), "--steps", str(args.steps), "--eval", str(args.eval), "--spec", args.spec]
+    cmd = [
+        sys.executable,
+        str(EXAMPLE),
+        "--json",
+        "--seed",
+        str(seed),
+        "--steps",
+        str(args.steps),
+        "--eval",
+        str(args.eval),
+        "--spec",
+        args.spec,
+    ]
     print("$ " + " ".join(cmd), flush=True)
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
     print(out, end="", flush=True)
@@ -52,11 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for r in runs:
         b, a = r["before"], r["after"]
-        lines.append(f"| {r['seed']} | {b['correct']:.3f} | {a['correct']:.3f} | {b['called']:.2f} / {a['called']:.2f} | {b['right_key']:.2f} / {a['right_key']:.2f} |")
+        lines.append(
+            f"| {r['seed']} | {b['correct']:.3f} | {a['correct']:.3f} | {b['called']:.2f} / {a['called']:.2f} | "
+            f"{b['right_key']:.2f} / {a['right_key']:.2f} |"
+        )
     mean_b = statistics.mean(r["before"]["correct"] for r in runs)
     mean_a = statistics.mean(r["after"]["correct"] for r in runs)
     lines.append(f"| mean | {mean_b:.3f} | {mean_a:.3f} | | |")
-    note = f"{args.steps} GRPO steps (16 episodes x 8 plays), speculation {args.spec}, {args.eval} held-out episodes at temperature 1"
+    note = (
+        f"{args.steps} GRPO steps (16 episodes x 8 plays), speculation {args.spec}, "
+        f"{args.eval} held-out episodes at temperature 1"
+    )
     table = "\n".join(lines)
     print(table + "\n" + note)
     if args.out:

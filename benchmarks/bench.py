@@ -70,29 +70,57 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     "draft k=5": ("configs/grpo_spec.yaml", [f"{SPEC}.num_speculative_tokens=5"]),
     "draft schedule": (
         "configs/grpo_spec.yaml",
-        [f"{SPEC}.num_speculative_tokens=5", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,5],[17,64,3],[65,1024,2]]"],
+        [
+            f"{SPEC}.num_speculative_tokens=5",
+            f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,5],[17,64,3],[65,1024,2]]",
+        ],
     ),
     "draft tail-only": (
         "configs/grpo_spec.yaml",
         [f"{SPEC}.num_speculative_tokens=3", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,3],[17,1024,0]]"],
     ),
     # run-time k (issue 14): k=0 through the fast path, and the adaptive controller (k in 0..4 per batch-size bucket)
-    "draft k=0 fast path": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,1,3],[2,1024,0]]"]),
+    "draft k=0 fast path": (
+        "configs/grpo_spec.yaml",
+        [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,1,3],[2,1024,0]]"],
+    ),
     "draft adaptive": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=adaptive", f"{CONTROL}.k_max=4"]),
     # the long-tail workload (issue 14): its own baseline, a fixed k, vLLM's static schedule, the controller
     "longtail base": ("configs/grpo_base_longtail.yaml", []),
-    "longtail k=4": ("configs/grpo_spec_longtail.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens_per_batch_size=null"]),
+    "longtail k=4": (
+        "configs/grpo_spec_longtail.yaml",
+        [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens_per_batch_size=null"],
+    ),
     "longtail schedule": (
         "configs/grpo_spec_longtail.yaml",
-        [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=6", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,6],[17,64,3],[65,1024,2]]"],
+        [
+            f"{CONTROL}.mode=off",
+            f"{SPEC}.num_speculative_tokens=6",
+            f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,6],[17,64,3],[65,1024,2]]",
+        ],
     ),
     "longtail tail-only fast path": (
         "configs/grpo_spec_longtail.yaml",
         [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,4],[17,1024,0]]"],
     ),
-    "longtail adaptive": ("configs/grpo_spec_longtail.yaml", [f"{CONTROL}.mode=adaptive", f"{SPEC}.num_speculative_tokens_per_batch_size=null"]),
-    "ngram k=3": ("configs/grpo_spec.yaml", [f"{SPEC}.method=ngram", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null", f"{SPEC}.prompt_lookup_max=3", f"{SPEC}.prompt_lookup_min=1"]),
-    "suffix k=3": ("configs/grpo_spec.yaml", [f"{SPEC}.method=suffix", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null"]),
+    "longtail adaptive": (
+        "configs/grpo_spec_longtail.yaml",
+        [f"{CONTROL}.mode=adaptive", f"{SPEC}.num_speculative_tokens_per_batch_size=null"],
+    ),
+    "ngram k=3": (
+        "configs/grpo_spec.yaml",
+        [
+            f"{SPEC}.method=ngram",
+            f"{SPEC}.model=null",
+            f"{SPEC}.draft_sample_method=null",
+            f"{SPEC}.prompt_lookup_max=3",
+            f"{SPEC}.prompt_lookup_min=1",
+        ],
+    ),
+    "suffix k=3": (
+        "configs/grpo_spec.yaml",
+        [f"{SPEC}.method=suffix", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null"],
+    ),
     "schedule 2x1": (
         "configs/grpo_spec.yaml",
         [
@@ -102,8 +130,14 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
             "policy.generation.cpus_per_engine=1",
         ],
     ),
-    "grpo_base 2x1": ("configs/grpo_base.yaml", ["policy.generation.num_engines=2", "policy.generation.cpus_per_engine=1"]),
-    "grpo_spec 2x1": ("configs/grpo_spec.yaml", ["policy.generation.num_engines=2", "policy.generation.cpus_per_engine=1"]),
+    "grpo_base 2x1": (
+        "configs/grpo_base.yaml",
+        ["policy.generation.num_engines=2", "policy.generation.cpus_per_engine=1"],
+    ),
+    "grpo_spec 2x1": (
+        "configs/grpo_spec.yaml",
+        ["policy.generation.num_engines=2", "policy.generation.cpus_per_engine=1"],
+    ),
     # the trainer as 2 data-parallel workers (DDP over gloo), same update as one: compare with grpo_spec
     "grpo_spec policy 2x": ("configs/grpo_spec.yaml", ["policy.num_workers=2"]),
     # the drafter distilled towards the policy after every step and refit (issue 13): its cost
@@ -149,7 +183,9 @@ def spec_label(config: str, overrides: list[str]) -> str:
     return f"{sc['method']} k={k}"
 
 
-def run_grpo(name: str, config: str, overrides: list[str], steps: int, out: Path, quick: bool, seed: int, resume: bool = False) -> list[dict]:
+def run_grpo(
+    name: str, config: str, overrides: list[str], steps: int, out: Path, quick: bool, seed: int, resume: bool = False
+) -> list[dict]:
     """One GRPO run in a fresh process; returns its metrics.jsonl rows (step >= 1).
 
     A finished run leaves ``done.json`` (its arguments and the config file's sha256); with
@@ -165,7 +201,14 @@ def run_grpo(name: str, config: str, overrides: list[str], steps: int, out: Path
         log(f"  {name}: reusing the finished run in {log_dir} (--resume)")
         return rows
     done.unlink(missing_ok=True)
-    cmd = [sys.executable, str(REPO / "examples/run_grpo.py"), "--config", str(REPO / config), f"logger.log_dir={log_dir}", *args[1:]]
+    cmd = [
+        sys.executable,
+        str(REPO / "examples/run_grpo.py"),
+        "--config",
+        str(REPO / config),
+        f"logger.log_dir={log_dir}",
+        *args[1:],
+    ]
     log(f"  {name}, seed {seed}: {steps} steps (log: {log_dir}/run.log)")
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -190,7 +233,8 @@ def step_stats(rows: list[dict]) -> dict:
         "step_mean_s": mean("timing/step"),
         "tokens_per_step": mean("generation/num_tokens"),
         "train_samples": mean("train/num_samples"),
-        "gen_tokens_per_s": sum(r["generation/num_tokens"] for r in rs) / max(sum(r["timing/generation"] for r in rs), 1e-9),
+        "gen_tokens_per_s": sum(r["generation/num_tokens"] for r in rs)
+        / max(sum(r["timing/generation"] for r in rs), 1e-9),
         "reward_first": statistics.fmean(r["train/reward_mean"] for r in rows[: max(1, len(rows) // 10)]),
         "reward_last": statistics.fmean(r["train/reward_mean"] for r in rows[-max(1, len(rows) // 10) :]),
         "acceptance_length": _mean_or_none(rs, "spec_decode/acceptance_length"),
@@ -201,8 +245,22 @@ def step_stats(rows: list[dict]) -> dict:
     out["drafter_train_s"] = _mean_or_none(rs, "timing/drafter_train")
     for pct in (50, 90, 100):
         out[f"done{pct}_s"] = _mean_or_none(rs, f"generation/time_to_{pct}pct_done")
-    out["len_max_over_median"] = _mean_or_none([{"x": r["generation/response_length_max"] / r["generation/response_length_median"]} for r in rs if r.get("generation/response_length_median")], "x")
-    out["last10_share"] = _mean_or_none([{"x": 1 - r["generation/time_to_90pct_done"] / r["generation/time_to_100pct_done"]} for r in rs if r.get("generation/time_to_100pct_done")], "x")
+    out["len_max_over_median"] = _mean_or_none(
+        [
+            {"x": r["generation/response_length_max"] / r["generation/response_length_median"]}
+            for r in rs
+            if r.get("generation/response_length_median")
+        ],
+        "x",
+    )
+    out["last10_share"] = _mean_or_none(
+        [
+            {"x": 1 - r["generation/time_to_90pct_done"] / r["generation/time_to_100pct_done"]}
+            for r in rs
+            if r.get("generation/time_to_100pct_done")
+        ],
+        "x",
+    )
     return out
 
 
@@ -231,12 +289,20 @@ def pool_train_time(stats: dict[str, dict]) -> None:
     cannot (a control variate).
     """
     for two, longtail in ((False, False), (True, False), (False, True)):
-        group = [n for n in stats if ("2x1" in n) == two and n.startswith("longtail") == longtail and n not in TRAINER_VARIANTS | DRAFTER_VARIANTS]
+        group = [
+            n
+            for n in stats
+            if ("2x1" in n) == two
+            and n.startswith("longtail") == longtail
+            and n not in TRAINER_VARIANTS | DRAFTER_VARIANTS
+        ]
         if group:
             pooled = statistics.fmean(stats[n]["train_s"] for n in group)
             for n in group:
                 stats[n]["step_pooled_s"] = stats[n]["step_mean_s"] - stats[n]["train_s"] + pooled
-    for n in (TRAINER_VARIANTS | DRAFTER_VARIANTS) & set(stats):  # their train phase is what they change: pooled only with itself
+    for n in (TRAINER_VARIANTS | DRAFTER_VARIANTS) & set(
+        stats
+    ):  # their train phase is what they change: pooled only with itself
         stats[n]["step_pooled_s"] = stats[n]["step_mean_s"]
 
 
@@ -259,14 +325,19 @@ def grpo_table(stats: dict[str, dict]) -> str:
         return fmt(s[k] / base[k] if base.get(k) else None, "{:.2f}x")
 
     lines = [
-        "| variant | speculation | step (s, median) | per seed | vs base | step, train pooled (s) | vs base | generation (s) | per seed | generation vs base | train (s) | samples trained | refit (s) | validation (s) | gen tokens/s | acceptance length | reward first→last 10% |",
+        "| variant | speculation | step (s, median) | per seed | vs base | step, train pooled (s) | vs base | "
+        "generation (s) | per seed | generation vs base | train (s) | samples trained | refit (s) | validation (s) | "
+        "gen tokens/s | acceptance length | reward first→last 10% |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     seeds = lambda s, k: ", ".join(f"{x:.2f}" for x in s.get(f"{k}_per_seed", [s[k]]))  # noqa: E731
     for name, s in stats.items():
         lines.append(
-            f"| {name} | {s.get('speculation', '')} | {s['step_s']:.2f} | {seeds(s, 'step_s')} | {ratio(s, 'step_s')} | {fmt(s.get('step_pooled_s'), '{:.2f}')} | {ratio(s, 'step_pooled_s')} | {s['generation_s']:.2f} | {seeds(s, 'generation_s')} | {ratio(s, 'generation_s')} | "
-            f"{s['train_s']:.2f} | {s.get('train_samples', 0):.0f} | {s['refit_s']:.2f} | {s['validation_s']:.2f} | {s['gen_tokens_per_s']:.0f} | "
+            f"| {name} | {s.get('speculation', '')} | {s['step_s']:.2f} | {seeds(s, 'step_s')} | {ratio(s, 'step_s')} "
+            f"| {fmt(s.get('step_pooled_s'), '{:.2f}')} | {ratio(s, 'step_pooled_s')} | {s['generation_s']:.2f} | "
+            f"{seeds(s, 'generation_s')} | {ratio(s, 'generation_s')} | "
+            f"{s['train_s']:.2f} | {s.get('train_samples', 0):.0f} | {s['refit_s']:.2f} | {s['validation_s']:.2f} | "
+            f"{s['gen_tokens_per_s']:.0f} | "
             f"{fmt(s['acceptance_length'], '{:.2f}')} | {s['reward_first']:.2f}→{s['reward_last']:.2f} |"
         )
     return "\n".join(lines)
@@ -283,20 +354,26 @@ def phase_table(stats: dict[str, dict]) -> str:
 
 def tail_table(stats: dict[str, dict]) -> str:
     lines = [
-        "| variant | 50% done (s) | 90% done (s) | 100% done (s) | 100% / 50% | last 10% of rollouts: share of the phase | longest / median length | generation phase (s) |",
+        "| variant | 50% done (s) | 90% done (s) | 100% done (s) | 100% / 50% | last 10% of rollouts: share of the "
+        "phase | longest / median length | generation phase (s) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in stats.items():
         d50, d90, d100 = s["done50_s"], s["done90_s"], s["done100_s"]
         lines.append(
-            f"| {name} | {fmt(d50, '{:.2f}')} | {fmt(d90, '{:.2f}')} | {fmt(d100, '{:.2f}')} | {fmt(d100 / d50 if d50 and d100 else None, '{:.1f}x')} | "
-            f"{fmt(s.get('last10_share'), '{:.0%}')} | {fmt(s.get('len_max_over_median'), '{:.1f}x')} | {s['generation_s']:.2f} |"
+            f"| {name} | {fmt(d50, '{:.2f}')} | {fmt(d90, '{:.2f}')} | {fmt(d100, '{:.2f}')} | "
+            f"{fmt(d100 / d50 if d50 and d100 else None, '{:.1f}x')} | "
+            f"{fmt(s.get('last10_share'), '{:.0%}')} | {fmt(s.get('len_max_over_median'), '{:.1f}x')} | "
+            f"{s['generation_s']:.2f} |"
         )
     return "\n".join(lines)
 
 
 def staleness_table(rows: list[dict], buckets: int = 10) -> str:
-    lines = ["| steps | acceptance rate | acceptance rate, position 1 | acceptance length | KL to start | train reward |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| steps | acceptance rate | acceptance rate, position 1 | acceptance length | KL to start | train reward |",
+        "|---|---|---|---|---|---|",
+    ]
     n = len(rows)
     size = max(1, n // buckets)
     for i in range(0, n, size):
@@ -304,20 +381,32 @@ def staleness_table(rows: list[dict], buckets: int = 10) -> str:
         lines.append(
             f"| {b[0]['step']}–{b[-1]['step']} | {fmt(_mean_or_none(b, 'spec_decode/acceptance_rate'), '{:.3f}')} | "
             f"{fmt(_mean_or_none(b, 'spec_decode/acceptance_rate_pos_1'), '{:.3f}')} | "
-            f"{fmt(_mean_or_none(b, 'spec_decode/acceptance_length'), '{:.3f}')} | {fmt(_mean_or_none(b, 'train/kl'), '{:.4f}')} | "
+            f"{fmt(_mean_or_none(b, 'spec_decode/acceptance_length'), '{:.3f}')} | "
+            f"{fmt(_mean_or_none(b, 'train/kl'), '{:.4f}')} | "
             f"{fmt(_mean_or_none(b, 'train/reward_mean'), '{:.2f}')} |"
         )
     return "\n".join(lines)
 
 
 def peer_table(trl: dict, stats: dict[str, dict]) -> str:
-    lines = ["| trainer | generation | step (s, median) | rollout (s, mean) | rollout tokens/s | steps measured |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| trainer | generation | step (s, median) | rollout (s, mean) | rollout tokens/s | steps measured |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in ("grpo_base", "grpo_spec"):
         if name in stats:
             s = stats[name]
-            lines.append(f"| rl_specdec {name} | vLLM engine (Ray actor){' + ' + s['speculation'] if s.get('speculation', 'none') != 'none' else ''} | {s['step_s']:.2f} | {s['generation_s']:.2f} | {s['gen_tokens_per_s']:.0f} | {s['steps']:.0f}{' x ' + str(len(s['seeds'])) + ' seeds' if len(s.get('seeds', [])) > 1 else ''} |")
+            lines.append(
+                f"| rl_specdec {name} | vLLM engine (Ray "
+                f"actor){' + ' + s['speculation'] if s.get('speculation', 'none') != 'none' else ''} | "
+                f"{s['step_s']:.2f} | {s['generation_s']:.2f} | {s['gen_tokens_per_s']:.0f} | "
+                f"{s['steps']:.0f}{' x ' + str(len(s['seeds'])) + ' seeds' if len(s.get('seeds', [])) > 1 else ''} |"
+            )
     t = trl["summary"]
-    lines.append(f"| TRL {t['trl_version']} GRPOTrainer | {t['generation']} | {t['step_s']:.2f} | {t['generate_s']:.2f} | {t['rollout_tokens_per_s']:.0f} | {t['steps_measured']} |")
+    lines.append(
+        f"| TRL {t['trl_version']} GRPOTrainer | {t['generation']} | {t['step_s']:.2f} | {t['generate_s']:.2f} | "
+        f"{t['rollout_tokens_per_s']:.0f} | {t['steps_measured']} |"
+    )
     return "\n".join(lines)
 
 
@@ -342,11 +431,16 @@ def verdict_text(stats: dict[str, dict]) -> str:
         if group:
             best = min(group, key=lambda n: group[n]["step_s"])
             out.append(
-                f"Fastest speculative variant, {label}: **{best}** ({group[best]['speculation']}), {group[best]['step_s']:.2f} s/step = "
+                f"Fastest speculative variant, {label}: **{best}** ({group[best]['speculation']}), "
+                f"{group[best]['step_s']:.2f} s/step = "
                 f"{ratio(best)}; train pooled {group[best]['step_pooled_s']:.2f} s = {ratio(best, 'step_pooled_s')}; "
                 f"generation phase {group[best]['generation_s']:.2f} s = {ratio(best, 'generation_s')}."
             )
-    one = {n: s for n, s in spec.items() if "2x1" not in n and not n.startswith("longtail") and s["speculation"].startswith("draft_model")}
+    one = {
+        n: s
+        for n, s in spec.items()
+        if "2x1" not in n and not n.startswith("longtail") and s["speculation"].startswith("draft_model")
+    }
     sched = {n: s for n, s in one.items() if "k by batch" in s["speculation"]}
     fixed = {n: s for n, s in one.items() if "k by batch" not in s["speculation"]}
     if sched and fixed:
@@ -354,7 +448,8 @@ def verdict_text(stats: dict[str, dict]) -> str:
         bs = min(sched, key=lambda n: sched[n]["step_s"])
         won = [sched[bs][k] < fixed[bf][k] for k in ("step_s", "step_pooled_s")]
         out.append(
-            f"Batch-size schedule ({bs}) vs the best fixed k ({bf}): {sched[bs]['step_s']:.2f} vs {fixed[bf]['step_s']:.2f} s/step, "
+            f"Batch-size schedule ({bs}) vs the best fixed k ({bf}): {sched[bs]['step_s']:.2f} vs "
+            f"{fixed[bf]['step_s']:.2f} s/step, "
             f"train pooled {sched[bs]['step_pooled_s']:.2f} vs {fixed[bf]['step_pooled_s']:.2f} s, "
             f"generation {sched[bs]['generation_s']:.2f} vs {fixed[bf]['generation_s']:.2f} s "
             f"({'the schedule wins' if all(won) else 'fixed k wins' if not any(won) else 'no clear winner'})."
@@ -365,8 +460,10 @@ def verdict_text(stats: dict[str, dict]) -> str:
 def policy_workers_text(stats: dict[str, dict]) -> str:
     two, one = stats["grpo_spec policy 2x"], stats["grpo_spec"]
     return (
-        f"Two policy workers (DDP over gloo, the same update as one) against one, grpo_spec: {two['step_s']:.2f} vs {one['step_s']:.2f} s/step, "
-        f"train phase {two['train_s']:.2f} vs {one['train_s']:.2f} s, refit {two['refit_s']:.2f} vs {one['refit_s']:.2f} s."
+        f"Two policy workers (DDP over gloo, the same update as one) against one, grpo_spec: {two['step_s']:.2f} vs "
+        f"{one['step_s']:.2f} s/step, "
+        f"train phase {two['train_s']:.2f} vs {one['train_s']:.2f} s, refit {two['refit_s']:.2f} vs "
+        f"{one['refit_s']:.2f} s."
     )
 
 
@@ -387,11 +484,15 @@ def plot_grpo(runs: dict[str, list[dict]], stats: dict[str, dict], path: Path) -
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.35 * len(names) + 2.2), sharey=True)
     y = list(range(len(names)))
     axes[0].barh([i - 0.2 for i in y], [stats[n]["step_s"] for n in names], height=0.4, label="step (median)")
-    axes[0].barh([i + 0.2 for i in y], [stats[n]["generation_s"] for n in names], height=0.4, label="generation phase (mean)")
+    axes[0].barh(
+        [i + 0.2 for i in y], [stats[n]["generation_s"] for n in names], height=0.4, label="generation phase (mean)"
+    )
     if "grpo_base" in stats:
         axes[0].axvline(stats["grpo_base"]["step_s"], color="grey", ls="--", lw=1)
         axes[0].axvline(stats["grpo_base"]["generation_s"], color="grey", ls=":", lw=1)
-    axes[0].set(yticks=y, yticklabels=names, xlabel="seconds", title="GRPO step and generation time (dashed: grpo_base)")
+    axes[0].set(
+        yticks=y, yticklabels=names, xlabel="seconds", title="GRPO step and generation time (dashed: grpo_base)"
+    )
     axes[0].invert_yaxis()
     axes[0].legend(fontsize=7, loc="lower right")
     left = [0.0] * len(names)
@@ -409,22 +510,43 @@ def plot_grpo(runs: dict[str, list[dict]], stats: dict[str, dict], path: Path) -
 
 
 def plot_tail(runs: dict[str, list[dict]], stats: dict[str, dict], path: Path) -> None:
-    """Left: mean time until 50/90/100% of a step's rollouts were done. Right: the 100% time per step of one seed (10-step mean)."""
+    """Left: mean time until 50/90/100% of a step's rollouts were done.
+
+    Right: the 100% time per step of one seed (10-step mean).
+    """
     plt = _plt()
-    names = [n for n in runs if runs[n] and runs[n][0].get("generation/time_to_100pct_done") is not None and stats[n].get("done100_s")]
+    names = [
+        n
+        for n in runs
+        if runs[n] and runs[n][0].get("generation/time_to_100pct_done") is not None and stats[n].get("done100_s")
+    ]
     if not names:
         return
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.3 * len(names) + 2.6))
     y = list(range(len(names)))
     for off, pct in ((-0.27, 50), (0.0, 90), (0.27, 100)):
         axes[0].barh([i + off for i in y], [stats[n][f"done{pct}_s"] for n in names], height=0.27, label=f"{pct}% done")
-    axes[0].set(yticks=y, yticklabels=names, xlabel="seconds into the generation step (mean over steps after the first)", title="when the rollouts finished")
+    axes[0].set(
+        yticks=y,
+        yticklabels=names,
+        xlabel="seconds into the generation step (mean over steps after the first)",
+        title="when the rollouts finished",
+    )
     axes[0].invert_yaxis()
     axes[0].legend(fontsize=7, loc="lower right")
     for n in names:
         rows = runs[n]
-        axes[1].plot([r["step"] for r in rows], _rolling([r["generation/time_to_100pct_done"] for r in rows], 10), label=n, lw=2 if n in ("grpo_base", "grpo_spec") else 1)
-    axes[1].set(xlabel="step", ylabel="seconds until 100% done (10-step mean)", title=f"the last rollout of each step (seed {stats[names[0]]['seeds'][0]})")
+        axes[1].plot(
+            [r["step"] for r in rows],
+            _rolling([r["generation/time_to_100pct_done"] for r in rows], 10),
+            label=n,
+            lw=2 if n in ("grpo_base", "grpo_spec") else 1,
+        )
+    axes[1].set(
+        xlabel="step",
+        ylabel="seconds until 100% done (10-step mean)",
+        title=f"the last rollout of each step (seed {stats[names[0]]['seeds'][0]})",
+    )
     axes[1].legend(fontsize=6, ncol=2)
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -441,7 +563,12 @@ def plot_staleness(rows: list[dict], path: Path) -> None:
     length = [r.get("spec_decode/acceptance_length") for r in rows]
     axes[0].plot(steps, acc, ".", ms=3, alpha=0.5, label="per step")
     axes[0].plot(steps, _rolling(acc, 10), "-", label="10-step mean")
-    axes[0].plot(steps, _rolling([r.get("spec_decode/acceptance_rate_pos_1") for r in rows], 10), "-", label="position 1 (10-step mean)")
+    axes[0].plot(
+        steps,
+        _rolling([r.get("spec_decode/acceptance_rate_pos_1") for r in rows], 10),
+        "-",
+        label="position 1 (10-step mean)",
+    )
     axes[0].set(xlabel="step", ylabel="acceptance rate", title="frozen drafter vs drifting policy")
     ax2 = axes[0].twinx()
     ax2.plot(steps, _rolling(length, 10), "r-", lw=0.8)
@@ -485,20 +612,53 @@ def header() -> str:
     except (OSError, StopIteration):
         cpu = platform.processor()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {cores} cores, {mem:.0f} GiB; vLLM {vllm.__version__}, torch {torch.__version__}; load average at start {load:.2f}"
+    versions = f"vLLM {vllm.__version__}, torch {torch.__version__}"
+    return f"{cpu}, {cores} cores, {mem:.0f} GiB; {versions}; load average at start {load:.2f}"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small: the rollout and GRPO sections (both tasks, no speculation and the controller), 4 steps; under 5 minutes on 2 cores with the toy models built")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small: the rollout and GRPO sections (both tasks, no speculation and the controller), 4 steps; "
+        "under 5 minutes on 2 cores with the toy models built",
+    )
     p.add_argument("--out", default="results/bench", help="results folder (report.md, *.json, *.png)")
-    p.add_argument("--sections", default=None, help=f"comma-separated subset of {','.join(SECTIONS)} (default: all; --quick: {','.join(QUICK_SECTIONS)})")
-    p.add_argument("--variants", default=None, help=f"GRPO variants (default: all; --quick: {'; '.join(QUICK_VARIANTS)}); from: {'; '.join(GRPO_VARIANTS)}")
+    p.add_argument(
+        "--sections",
+        default=None,
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all; --quick: {','.join(QUICK_SECTIONS)})",
+    )
+    p.add_argument(
+        "--variants",
+        default=None,
+        help=f"GRPO variants (default: all; --quick: {'; '.join(QUICK_VARIANTS)}); from: {'; '.join(GRPO_VARIANTS)}",
+    )
     p.add_argument("--steps", type=int, default=None, help="GRPO steps per variant (default: 60; --quick 4)")
-    p.add_argument("--report-only", action="store_true", help="rebuild the tables and plots from the runs already in --out (runs nothing)")
-    p.add_argument("--resume", action="store_true", help="reuse the runs in --out that finished with the same settings (an interrupted benchmark picks up where it stopped)")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds; every GRPO variant runs once per seed and the tables give the mean and each seed (full results: 0,1)")
-    p.add_argument("--staleness-steps", type=int, default=200, help="length of the frozen and online drafter runs (--quick: --steps)")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rebuild the tables and plots from the runs already in --out (runs nothing)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the runs in --out that finished with the same settings "
+        "(an interrupted benchmark picks up where it stopped)",
+    )
+    p.add_argument(
+        "--seeds",
+        default="0",
+        help="comma-separated seeds; every GRPO variant runs once per seed and the tables give the mean and each seed "
+        "(full results: 0,1)",
+    )
+    p.add_argument(
+        "--staleness-steps",
+        type=int,
+        default=200,
+        help="length of the frozen and online drafter runs (--quick: --steps)",
+    )
     p.add_argument("--cold-steps", type=int, default=50, help="length of the cold-start drafter run (--quick: --steps)")
     p.add_argument("--peer-steps", type=int, default=None, help="TRL steps (default: --steps; --quick 4)")
     rollout_parser = argparse.ArgumentParser(add_help=False)
@@ -516,7 +676,9 @@ def main(argv=None) -> int:
         if n not in GRPO_VARIANTS:
             p.error(f"--variants: unknown variant {n!r}; choose from {'; '.join(GRPO_VARIANTS)}")
     if ("peer" in sections or "staleness" in sections) and "grpo" not in sections:
-        names = [n for n in names if n in ("grpo_base", "grpo_spec", "grpo_spec drafter online", "grpo_spec drafter light")]  # the rows peer and cost compare against
+        names = [
+            n for n in names if n in ("grpo_base", "grpo_spec", "grpo_spec drafter online", "grpo_spec drafter light")
+        ]  # the rows peer and cost compare against
         sections = ["grpo", *sections]
     steps = args.steps or (4 if args.quick else 60)
     try:
@@ -560,8 +722,15 @@ def main(argv=None) -> int:
         results["rollout"] = res
         if not rollout.has_suffix():
             log("  suffix skipped: arctic-inference is not installed (bash scripts/install_arctic_inference.sh)")
-            report += ["_suffix skipped: arctic-inference is not installed (bash scripts/install_arctic_inference.sh)._", ""]
-        emit("Rollout speed-up over no speculation (one engine, all cores)", rollout.speedup_table(res["methods"]), "rollout.png")
+            report += [
+                "_suffix skipped: arctic-inference is not installed (bash scripts/install_arctic_inference.sh)._",
+                "",
+            ]
+        emit(
+            "Rollout speed-up over no speculation (one engine, all cores)",
+            rollout.speedup_table(res["methods"]),
+            "rollout.png",
+        )
         emit("Rollout throughput, every cell", rollout.method_table(res["methods"]))
 
     runs: dict[str, dict[int, list[dict]]] = {}  # variant -> seed -> metrics rows
@@ -572,7 +741,11 @@ def main(argv=None) -> int:
             log(f"[grpo {i}/{len(jobs)}]")
             config, overrides = GRPO_VARIANTS[n]
             try:
-                rows = load_rows(run_dir(out, n, sd)) if args.report_only else run_grpo(n, config, overrides, steps, out, args.quick, sd, args.resume)
+                rows = (
+                    load_rows(run_dir(out, n, sd))
+                    if args.report_only
+                    else run_grpo(n, config, overrides, steps, out, args.quick, sd, args.resume)
+                )
                 runs.setdefault(n, {})[sd] = rows
             except (RuntimeError, FileNotFoundError) as e:  # one broken variant must not lose the others' numbers
                 log(f"  SKIPPED {n}, seed {sd}: {e}")
@@ -583,7 +756,12 @@ def main(argv=None) -> int:
             stats[n]["name"] = n
         pool_train_time(stats)
         first = {n: per[min(per)] for n, per in runs.items()}  # one seed's rows for the per-step plots
-        results["grpo"] = {"steps": steps, "seeds": seeds, "stats": stats, "variants": {n: GRPO_VARIANTS[n] for n in names}}
+        results["grpo"] = {
+            "steps": steps,
+            "seeds": seeds,
+            "stats": stats,
+            "variants": {n: GRPO_VARIANTS[n] for n in names},
+        }
         plot_grpo(first, stats, out / "grpo_steps.png")
         plot_tail(first, stats, out / "long_tail.png")
         seed_note = f", mean of seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f", seed {seeds[0]}"
@@ -607,20 +785,38 @@ def main(argv=None) -> int:
                 series[name] = load_rows(run_dir(out, f"drafter {name}", seeds[0]))
             else:
                 log(f"[staleness] drafter {name}: {n_steps} steps")
-                series[name] = run_grpo(f"drafter {name}", config, overrides, n_steps, out, args.quick, seeds[0], args.resume)
+                series[name] = run_grpo(
+                    f"drafter {name}", config, overrides, n_steps, out, args.quick, seeds[0], args.resume
+                )
         results["staleness"] = series
         drafter_life.plot(series, out / "drafter_life.png", _plt())
         plot_staleness(series["frozen"], out / "staleness.png")
         body = drafter_life.staleness_table(series) + "\n\n" + drafter_life.staleness_verdict(series)
-        emit(f"Drafter staleness: frozen and trained online ({len(series['frozen'])} steps, seed {seeds[0]})", body, "drafter_life.png")
-        emit(f"Drafter cold start ({len(series['cold start'])} steps, untrained drafter, online training)", drafter_life.cold_table(series["cold start"]))
+        emit(
+            f"Drafter staleness: frozen and trained online ({len(series['frozen'])} steps, seed {seeds[0]})",
+            body,
+            "drafter_life.png",
+        )
+        emit(
+            f"Drafter cold start ({len(series['cold start'])} steps, untrained drafter, online training)",
+            drafter_life.cold_table(series["cold start"]),
+        )
         if "grpo" in results:
             emit("The cost of online drafter training", drafter_life.cost_text(results["grpo"]["stats"]))
 
     if "peer" in sections:
         peer_steps = args.peer_steps or (4 if args.quick else steps)
         log(f"[peer] TRL GRPOTrainer, {peer_steps} steps")
-        cmd = [sys.executable, str(REPO / "benchmarks/peer_trl.py"), "--config", str(REPO / "configs/grpo_base.yaml"), "--steps", str(peer_steps), "--out", str(out)]
+        cmd = [
+            sys.executable,
+            str(REPO / "benchmarks/peer_trl.py"),
+            "--config",
+            str(REPO / "configs/grpo_base.yaml"),
+            "--steps",
+            str(peer_steps),
+            "--out",
+            str(out),
+        ]
         saved = out / "peer_trl.json"
         reuse = args.resume and saved.exists() and json.loads(saved.read_text())["summary"].get("steps") == peer_steps
         if args.report_only or reuse:
@@ -630,7 +826,9 @@ def main(argv=None) -> int:
             with open(out / "peer_trl.log", "w") as fh:
                 rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO).returncode
         if rc != 0:
-            body = f"TRL run failed (rc={rc}); see {out / 'peer_trl.log'}. Is trl installed? (pip install -e '.[bench]')"
+            body = (
+                f"TRL run failed (rc={rc}); see {out / 'peer_trl.log'}. Is trl installed? (pip install -e '.[bench]')"
+            )
         else:
             trl = json.loads((out / "peer_trl.json").read_text())
             trl["summary"].update(peer_trl.summarize(trl["rows"]))  # the current definitions, also for older files

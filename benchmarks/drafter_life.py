@@ -52,16 +52,24 @@ def staleness_table(series: dict[str, list[dict]], size: int = 20) -> str:
     """Acceptance length per ``size``-step bucket of each long run, side by side, and the policy's drift."""
     names = [n for n in series if n != "cold start"]
     lines = [
-        "| steps | " + " | ".join(f"acceptance length, {n}" for n in names) + " | " + " | ".join(f"{n} / frozen" for n in names[1:])
-        + " | " + " | ".join(f"drafter KL, {n}" for n in names[1:]) + " | policy KL to start (frozen) | train reward (frozen) |",
+        "| steps | "
+        + " | ".join(f"acceptance length, {n}" for n in names)
+        + " | "
+        + " | ".join(f"{n} / frozen" for n in names[1:])
+        + " | "
+        + " | ".join(f"drafter KL, {n}" for n in names[1:])
+        + " | policy KL to start (frozen) | train reward (frozen) |",
         "|---|" + "---|" * (3 * len(names) - 2 + 2),
     ]
     for i, f in enumerate(_buckets(series["frozen"], size)):
         b = {n: _buckets(series[n], size)[i] if i < len(_buckets(series[n], size)) else [] for n in names}
         ln = {n: _mean(b[n], "spec_decode/acceptance_length") for n in names}
         lines.append(
-            f"| {f[0]['step']}–{f[-1]['step']} | " + " | ".join(fmt(ln[n], "{:.3f}") for n in names) + " | "
-            + " | ".join(fmt(ln[n] / ln["frozen"] if ln[n] and ln["frozen"] else None, "{:.3f}x") for n in names[1:]) + " | "
+            f"| {f[0]['step']}–{f[-1]['step']} | "
+            + " | ".join(fmt(ln[n], "{:.3f}") for n in names)
+            + " | "
+            + " | ".join(fmt(ln[n] / ln["frozen"] if ln[n] and ln["frozen"] else None, "{:.3f}x") for n in names[1:])
+            + " | "
             + " | ".join(fmt(_mean(b[n], "drafter/kl"), "{:.3f}") for n in names[1:])
             + f" | {fmt(_mean(f, 'train/kl'), '{:.3f}')} | {fmt(_mean(f, 'train/reward_mean'), '{:.2f}')} |"
         )
@@ -71,9 +79,15 @@ def staleness_table(series: dict[str, list[dict]], size: int = 20) -> str:
 def staleness_verdict(series: dict[str, list[dict]], size: int = 20) -> str:
     out = []
     for name, rows in ((n, r) for n, r in series.items() if n != "cold start"):
-        first, last = _mean(rows[:size], "spec_decode/acceptance_length"), _mean(rows[-size:], "spec_decode/acceptance_length")
+        first, last = (
+            _mean(rows[:size], "spec_decode/acceptance_length"),
+            _mean(rows[-size:], "spec_decode/acceptance_length"),
+        )
         if first and last:
-            out.append(f"{name}: acceptance length {first:.3f} in steps 1–{size}, {last:.3f} in the last {size} steps ({last / first:.3f}x)")
+            out.append(
+                f"{name}: acceptance length {first:.3f} in steps 1–{size}, {last:.3f} in the last {size} steps "
+                f"({last / first:.3f}x)"
+            )
     return "; ".join(out) + "."
 
 
@@ -83,9 +97,17 @@ def cold_table(rows: list[dict], size: int = 5) -> str:
     for b in _buckets(rows, size):
         lines.append(
             f"| {b[0]['step']}–{b[-1]['step']} | {fmt(_mean(b, 'spec_decode/acceptance_length'), '{:.3f}')} | "
-            f"{fmt(_mean(b, 'spec_decode/acceptance_rate'), '{:.3f}')} | {fmt(_mean(b, 'drafter/loss'), '{:.3f}')} | {fmt(_mean(b, 'drafter/kl'), '{:.3f}')} |"
+            f"{fmt(_mean(b, 'spec_decode/acceptance_rate'), '{:.3f}')} | {fmt(_mean(b, 'drafter/loss'), '{:.3f}')} | "
+            f"{fmt(_mean(b, 'drafter/kl'), '{:.3f}')} |"
         )
-    reached = next((b[-1]["step"] for b in _buckets(rows, size) if (m := _mean(b, "spec_decode/acceptance_length")) and m >= COLD_GOAL), None)
+    reached = next(
+        (
+            b[-1]["step"]
+            for b in _buckets(rows, size)
+            if (m := _mean(b, "spec_decode/acceptance_length")) and m >= COLD_GOAL
+        ),
+        None,
+    )
     lines.append("")
     lines.append(
         f"First {size}-step bucket with a mean acceptance length of {COLD_GOAL} or more: "
@@ -99,17 +121,24 @@ def cost_text(stats: dict[str, dict]) -> str:
     fr, base = stats.get("grpo_spec"), stats.get("grpo_base")
     variants = [n for n in ("grpo_spec drafter online", "grpo_spec drafter light") if n in stats]
     if not (fr and variants):
-        return "_run the grpo section with grpo_spec and 'grpo_spec drafter online' (or 'grpo_spec drafter light') for the cost._"
+        return (
+            "_run the grpo section with grpo_spec and 'grpo_spec drafter online' "
+            "(or 'grpo_spec drafter light') for the cost._"
+        )
     lines = [
-        "| variant | step (s, median) | vs frozen | train pooled (s) | vs frozen | train phase (s) | drafter train (s, its actor) | generation (s) | acceptance length | vs grpo_base |",
+        "| variant | step (s, median) | vs frozen | train pooled (s) | vs frozen | train phase (s) | drafter train "
+        "(s, its actor) | generation (s) | acceptance length | vs grpo_base |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n in ["grpo_spec", *variants]:
         s = stats[n]
         lines.append(
-            f"| {n}{' (frozen)' if n == 'grpo_spec' else ''} | {s['step_s']:.2f} | {s['step_s'] / fr['step_s']:.3f}x | {s['step_pooled_s']:.2f} | "
-            f"{s['step_pooled_s'] / fr['step_pooled_s']:.3f}x | {s['train_s']:.2f} | {fmt(s.get('drafter_train_s'), '{:.2f}')} | {s['generation_s']:.2f} | "
-            f"{fmt(s['acceptance_length'], '{:.2f}')} | {fmt(s['step_s'] / base['step_s'] if base else None, '{:.3f}x')} |"
+            f"| {n}{' (frozen)' if n == 'grpo_spec' else ''} | {s['step_s']:.2f} | {s['step_s'] / fr['step_s']:.3f}x "
+            f"| {s['step_pooled_s']:.2f} | "
+            f"{s['step_pooled_s'] / fr['step_pooled_s']:.3f}x | {s['train_s']:.2f} | "
+            f"{fmt(s.get('drafter_train_s'), '{:.2f}')} | {s['generation_s']:.2f} | "
+            f"{fmt(s['acceptance_length'], '{:.2f}')} | "
+            f"{fmt(s['step_s'] / base['step_s'] if base else None, '{:.3f}x')} |"
         )
     return "\n".join(lines)
 
@@ -120,7 +149,12 @@ def plot(series: dict[str, list[dict]], path: Path, plt) -> None:
     for c, (name, rows) in enumerate(series.items()):
         steps = [r["step"] for r in rows]
         length = [r.get("spec_decode/acceptance_length") for r in rows]
-        axes[0].plot(steps, [statistics.fmean(x for x in length[max(0, i - 9) : i + 1] if x is not None) for i in range(len(length))], color=f"C{c}", label=name)
+        axes[0].plot(
+            steps,
+            [statistics.fmean(x for x in length[max(0, i - 9) : i + 1] if x is not None) for i in range(len(length))],
+            color=f"C{c}",
+            label=name,
+        )
         if any(r.get("drafter/kl") is not None for r in rows):
             axes[1].plot(steps, [r.get("drafter/kl") for r in rows], ".", ms=3, color=f"C{c}", label=name)
     axes[0].axhline(COLD_GOAL, color="grey", lw=0.6, ls="--")

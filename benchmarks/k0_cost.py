@@ -34,28 +34,34 @@ ENGINES = {  # name -> (speculative_config or None, speculation_control mode)
 
 
 def start(models, spec: dict | None, mode: str):
-    from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
-    from rl_specdec.generation.config import SpeculationControlConfig
-    from rl_specdec.generation.group import VllmGeneration
+    from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.config.generation import SpeculationControlConfig
+    from rl_specdec.rollout.group import VllmGeneration
     from rl_specdec.toy.presets import toy_engine_kwargs
 
     if spec is not None:
         spec = {"method": "draft_model", "model": str(models.drafter), **spec}
     kw = validate_vllm_kwargs({**toy_engine_kwargs(), "speculative_config": spec}, str(models.policy))
-    cfg = GenerationConfig(num_engines=1, cpus_per_engine=2, vllm_kwargs=kw, self_check=False, speculation_control=SpeculationControlConfig(mode=mode))
+    cfg = GenerationConfig(
+        num_engines=1,
+        cpus_per_engine=2,
+        vllm_kwargs=kw,
+        self_check=False,
+        speculation_control=SpeculationControlConfig(mode=mode),
+    )
     return VllmGeneration(str(models.policy), cfg)
 
 
 def measure(engines: dict, tok, batch: int, rounds: int, seed: int, max_tokens: int) -> dict[str, list[float]]:
     """{engine: [seconds per call]}, one call per engine per round, engines in rotating order."""
-    from rl_specdec.generation import SamplingSettings
+    from rl_specdec.rollout import SamplingSettings
 
     names = list(engines)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(-2, rounds):  # two warm-up rounds
         prompts = task_prompts(tok, batch, seed=1000 * seed + r + 2)
         sampling = SamplingSettings(max_tokens=max_tokens, temperature=1.0, seed=seed * 1000 + r)
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
             t0 = time.perf_counter()
             engines[n].generate(prompts, sampling)
@@ -67,7 +73,10 @@ def measure(engines: dict, tok, batch: int, rounds: int, seed: int, max_tokens: 
 def table(per_seed: dict[int, dict[str, list[float]]]) -> str:
     names = list(next(iter(per_seed.values())))
     ref = "no speculation"
-    lines = ["| engine | time per call (s, median) | per seed | vs no speculation | paired ratio (median of rounds) |", "|---|---|---|---|---|"]
+    lines = [
+        "| engine | time per call (s, median) | per seed | vs no speculation | paired ratio (median of rounds) |",
+        "|---|---|---|---|---|",
+    ]
     for n in names:
         med = {sd: statistics.median(t[n]) for sd, t in per_seed.items()}
         pooled = statistics.median([x for t in per_seed.values() for x in t[n]])
@@ -91,15 +100,23 @@ def main(argv=None) -> int:
     from rl_specdec.toy.build import build_tokenizer, build_toy_models
 
     cores, load = cores_and_load()
-    log(f"k=0 cost: batch {args.batch}, {args.max_tokens} tokens at temperature 1, {args.rounds} rounds per seed; {cores} cores, load average at start {load:.2f}")
+    log(
+        f"k=0 cost: batch {args.batch}, {args.max_tokens} tokens at temperature 1, {args.rounds} rounds per seed; "
+        f"{cores} cores, load average at start {load:.2f}"
+    )
     models, tok = build_toy_models(log=log), build_tokenizer()
-    ray.init(num_cpus=2 * len(ENGINES), include_dashboard=False, log_to_driver=False)  # engines side by side, one runs at a time
+    ray.init(
+        num_cpus=2 * len(ENGINES), include_dashboard=False, log_to_driver=False
+    )  # engines side by side, one runs at a time
     engines = {}
     try:
         for n, (spec, mode) in ENGINES.items():
             engines[n] = start(models, spec, mode)
             log(f"  started {n}")
-        per_seed = {int(sd): measure(engines, tok, args.batch, args.rounds, int(sd), args.max_tokens) for sd in args.seeds.split(",")}
+        per_seed = {
+            int(sd): measure(engines, tok, args.batch, args.rounds, int(sd), args.max_tokens)
+            for sd in args.seeds.split(",")
+        }
     finally:
         for g in engines.values():
             g.shutdown()

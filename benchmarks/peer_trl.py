@@ -1,7 +1,7 @@
 """The peer: TRL's ``GRPOTrainer`` on the same toy task, model, batch and step count.
 
 Same policy checkpoint (the toy Qwen2 policy), tokenizer, training pool
-(``env.kwargs`` of the config), batch (``num_prompts_per_step`` prompts x
+(``task.kwargs`` of the config), batch (``num_prompts_per_step`` prompts x
 ``num_generations_per_prompt`` samples, one optimizer step per batch), sampling
 (temperature, top_p, max_new_tokens), learning rate, clip and KL coefficient as
 the rl_specdec config it is given. TRL generates with transformers'
@@ -40,22 +40,19 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from rl_specdec.config import load_config
-    from rl_specdec.environments import make_task
+    from rl_specdec.tasks import make_task
 
     cfg = load_config(config_path)
     g, gen = cfg.grpo, cfg.policy.generation
     model_path = cfg.policy.model_name  # resolved to the toy checkpoint's folder by load_config
-    task = make_task(cfg.env.name, **dict(cfg.env.kwargs))
+    task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
     pool = task.pool() if getattr(task, "dataset_size", 0) else task.make_batch(seed=cfg.seed, n=1024)
     dataset = Dataset.from_list([{"prompt": s.prompt, "answer": s.answer} for s in pool])
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     eos = tokenizer.eos_token_id
 
     def sorting_reward(prompts, completions, answer, completion_ids, **_):
-        return [
-            task.score(c.strip(), a, eos in ids).reward
-            for c, a, ids in zip(completions, answer, completion_ids)
-        ]
+        return [task.score(c.strip(), a, eos in ids).reward for c, a, ids in zip(completions, answer, completion_ids)]
 
     B = g.num_prompts_per_step * g.num_generations_per_prompt
     mb = min(cfg.policy.micro_batch_size, B)
@@ -120,7 +117,10 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print) -> dict:
         processing_class=tokenizer,
         callbacks=[StepClock()],
     )
-    log(f"  TRL GRPOTrainer: {steps} steps, batch {B} ({g.num_prompts_per_step} prompts x {g.num_generations_per_prompt}), transformers generate")
+    log(
+        f"  TRL GRPOTrainer: {steps} steps, batch {B} ({g.num_prompts_per_step} prompts x "
+        f"{g.num_generations_per_prompt}), transformers generate"
+    )
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
@@ -129,9 +129,19 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print) -> dict:
     for i, t in enumerate(times["step"]):
         gt = times["generate"][i] if i < len(times["generate"]) else float("nan")
         tk = tokens[i] if i < len(tokens) else float("nan")
-        rows.append({"step": i + 1, "step_s": t, "generate_s": gt, "tokens": tk, "reward": logs[i].get("reward") if i < len(logs) else None})
+        rows.append(
+            {
+                "step": i + 1,
+                "step_s": t,
+                "generate_s": gt,
+                "tokens": tk,
+                "reward": logs[i].get("reward") if i < len(logs) else None,
+            }
+        )
     summary = summarize(rows, skip_first=1 if len(rows) > 1 else 0)
-    summary.update(wall_s=wall, steps=steps, batch=B, generation="transformers.generate", trl_version=__import__("trl").__version__)
+    summary.update(
+        wall_s=wall, steps=steps, batch=B, generation="transformers.generate", trl_version=__import__("trl").__version__
+    )
     return {"rows": rows, "summary": summary}
 
 

@@ -36,8 +36,16 @@ from pathlib import Path
 
 MIB = 2**20
 QWEN3_0P6B = dict(  # Qwen/Qwen3-0.6B's config.json, shape only
-    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-    head_dim=128, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
 )
 
 
@@ -46,7 +54,11 @@ def model_path(name: str) -> str:
         from rl_specdec.toy.build import build_toy_models
 
         return str(build_toy_models().policy)
-    root = Path(os.environ.get("RL_SPECDEC_CACHE", Path.home() / ".cache" / "rl_specdec")) / "bench" / "qwen3-0.6b-shape-random"
+    root = (
+        Path(os.environ.get("RL_SPECDEC_CACHE", Path.home() / ".cache" / "rl_specdec"))
+        / "bench"
+        / "qwen3-0.6b-shape-random"
+    )
     if not (root / "config.json").is_file():
         import torch
         from transformers import AutoModelForCausalLM, Qwen3Config
@@ -90,7 +102,10 @@ class Peaks:
         self.base = [_rss_anon(p) for p in self.pids] + [_store_used()]
         self.peak = list(self.base)
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._procs, daemon=True), threading.Thread(target=self._store, daemon=True)]
+        self.threads = [
+            threading.Thread(target=self._procs, daemon=True),
+            threading.Thread(target=self._store, daemon=True),
+        ]
         for t in self.threads:
             t.start()
         return self
@@ -163,20 +178,39 @@ def measure(cfg, mode: str, repeats: int) -> dict:
         group.shutdown()
         ray.kill(engine)
     worker, engine_, store = (max(p[i] for p in peaks) for i in range(3))
-    return {"objects": n, "bytes": nbytes, "time_s": statistics.median(times), "worker_peak": worker, "engine_peak": engine_, "store_peak": store}
+    return {
+        "objects": n,
+        "bytes": nbytes,
+        "time_s": statistics.median(times),
+        "worker_peak": worker,
+        "engine_peak": engine_,
+        "store_peak": store,
+    }
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="toy,qwen3-0.6b", help="comma-separated: toy, qwen3-0.6b")
-    p.add_argument("--layouts", default="1xddp,2xfsdp2", help="comma-separated WORKERSxSTRATEGY, e.g. 1xddp,2xddp,2xfsdp2")
-    p.add_argument("--bucket-mib", default="toy=1,qwen3-0.6b=256", help="bucket size per model in MiB (256 is policy.refit_bucket_bytes' default)")
+    p.add_argument(
+        "--layouts", default="1xddp,2xfsdp2", help="comma-separated WORKERSxSTRATEGY, e.g. 1xddp,2xddp,2xfsdp2"
+    )
+    p.add_argument(
+        "--bucket-mib",
+        default="toy=1,qwen3-0.6b=256",
+        help="bucket size per model in MiB (256 is policy.refit_bucket_bytes' default)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ray-cpus", type=int, default=8, help="logical CPUs of the local Ray instance")
-    p.add_argument("--zero-copy", action="store_true", help="set RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1 for every process: Ray maps tensors instead of pickling them")
+    p.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="set RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1 for every process: Ray maps tensors instead of pickling them",
+    )
     args = p.parse_args(argv)
     if args.zero_copy:
-        os.environ["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] = "1"  # before ray.init: the local Ray instance's processes inherit it
+        os.environ["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] = (
+            "1"  # before ray.init: the local Ray instance's processes inherit it
+        )
 
     import ray
 
@@ -184,23 +218,35 @@ def main(argv=None) -> int:
 
     buckets = {k: float(v) for k, v in (kv.split("=") for kv in args.bucket_mib.split(","))}
     ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False)
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (figures from a busy machine are not comparable); "
-          f"zero-copy tensors: {'on' if args.zero_copy else 'off'}\n")
+    print(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (figures from a busy machine are not "
+        "comparable); "
+        f"zero-copy tensors: {'on' if args.zero_copy else 'off'}\n"
+    )
     rows = [
-        "| model | layout | refit | objects | MiB moved | time (s) | rank-0 heap, peak added (MiB) | engine heap, peak added (MiB) | object store, peak added (MiB) |",
+        "| model | layout | refit | objects | MiB moved | time (s) | rank-0 heap, peak added (MiB) | engine heap, "
+        "peak added (MiB) | object store, peak added (MiB) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in args.models.split(","):
         path = model_path(name)
         for layout in args.layouts.split(","):
             workers, strategy = layout.split("x")
-            cfg = PolicyConfig(model_name=path, device="cpu", dtype="float32", num_workers=int(workers), strategy=strategy, refit_bucket_bytes=int(buckets[name] * MIB))
+            cfg = PolicyConfig(
+                model_name=path,
+                device="cpu",
+                dtype="float32",
+                num_workers=int(workers),
+                strategy=strategy,
+                refit_bucket_bytes=int(buckets[name] * MIB),
+            )
             for mode in ("whole", "bucketed"):
                 r = measure(cfg, mode, args.repeats)
                 label = mode if mode == "whole" else f"bucketed ({buckets[name]:g} MiB)"
                 rows.append(
                     f"| {name} | {workers} x {strategy} | {label} | {r['objects']} | {r['bytes'] / MIB:.0f} | "
-                    f"{r['time_s']:.2f} | {r['worker_peak'] / MIB:.0f} | {r['engine_peak'] / MIB:.0f} | {r['store_peak'] / MIB:.0f} |"
+                    f"{r['time_s']:.2f} | {r['worker_peak'] / MIB:.0f} | {r['engine_peak'] / MIB:.0f} | "
+                    f"{r['store_peak'] / MIB:.0f} |"
                 )
                 print(rows[-1], flush=True)
     print("\n" + "\n".join(rows))

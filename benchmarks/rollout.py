@@ -11,7 +11,7 @@ Prints markdown tables and writes them (plus the raw numbers as JSON) under
 2. with ``--engines``: one engine on all cores vs one engine per core
    (data parallel) on a batch of 128 prompts.
 
-Prompts are sorting-task prompts (``SortingTask().make_batch``) in the toy
+Prompts are sorting-task prompts (``SortingTask(max_len=24).make_batch``: 4 to 24 digits) in the toy
 tokenizer; responses stop at EOS or ``--max-tokens``. Each engine gets one
 warm-up call before it is timed; each cell is the median of ``--repeats``
 calls, each on a different batch of prompts (the same batches for every
@@ -83,20 +83,36 @@ def variants(methods: list[str], ks: list[int]) -> list[tuple[str, int | None]]:
 
 
 def task_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
-    from rl_specdec.environments.sorting import SortingTask
+    from rl_specdec.tasks.sorting import SortingTask
 
-    return [tokenizer.encode(s.prompt) for s in SortingTask().make_batch(seed=seed, n=n)]
+    return [tokenizer.encode(s.prompt) for s in SortingTask(max_len=24).make_batch(seed=seed, n=n)]
 
 
-def start(models, method: str, args, num_engines: int, cpus_per_engine: int, k: int | None = None, env_vars: dict | None = None):
-    from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
-    from rl_specdec.generation.group import VllmGeneration
+def start(
+    models,
+    method: str,
+    args,
+    num_engines: int,
+    cpus_per_engine: int,
+    k: int | None = None,
+    env_vars: dict | None = None,
+):
+    from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.rollout.group import VllmGeneration
     from rl_specdec.toy.presets import toy_engine_kwargs
 
     kw = toy_engine_kwargs(dtype=args.dtype, enforce_eager=bool(args.eager))
     k = args.k if k is None else k
-    kw = validate_vllm_kwargs({**kw, "speculative_config": spec_for(method, str(models.drafter), k, args.schedule)}, str(models.policy))
-    cfg = GenerationConfig(num_engines=num_engines, cpus_per_engine=cpus_per_engine, vllm_kwargs=kw, self_check=False, env_vars=dict(env_vars or {}))
+    kw = validate_vllm_kwargs(
+        {**kw, "speculative_config": spec_for(method, str(models.drafter), k, args.schedule)}, str(models.policy)
+    )
+    cfg = GenerationConfig(
+        num_engines=num_engines,
+        cpus_per_engine=cpus_per_engine,
+        vllm_kwargs=kw,
+        self_check=False,
+        env_vars=dict(env_vars or {}),
+    )
     t0 = time.time()
     g = VllmGeneration(str(models.policy), cfg)
     log(f"  started {method} k={k} ({num_engines} x {cpus_per_engine} cores) in {time.time() - t0:.0f}s")
@@ -109,7 +125,7 @@ def timed_calls(g, batches: list[list[list[int]]], sampling) -> dict:
     Repeats use different prompt batches (the same ones for every method), so a
     batch of 1 is not one lucky or unlucky prompt.
     """
-    from rl_specdec.spec_decode import aggregate_spec_decode_counters, compute_spec_decode_metrics
+    from rl_specdec.metrics import aggregate_spec_decode_counters, compute_spec_decode_metrics
 
     times, tokens, counters = [], [], []
     for r, prompts in enumerate(batches):
@@ -132,7 +148,7 @@ def timed_calls(g, batches: list[list[list[int]]], sampling) -> dict:
 
 
 def warm_up(g, prompts, max_tokens):
-    from rl_specdec.generation import SamplingSettings
+    from rl_specdec.rollout import SamplingSettings
 
     t0 = time.perf_counter()
     g.generate(prompts, SamplingSettings(max_tokens=max_tokens, temperature=1.0, seed=0))
@@ -146,14 +162,16 @@ def fmt(x, spec="{:.3f}"):
 def method_table(rows: list[dict]) -> str:
     base = {(r["temperature"], r["batch"]): r["tok_per_s"] for r in rows if r["method"] == "none"}
     lines = [
-        "| method | k | T | batch | time/call (s) | tokens/call | tokens/s | acceptance rate | acceptance length | speed-up vs none |",
+        "| method | k | T | batch | time/call (s) | tokens/call | tokens/s | acceptance rate | acceptance length | "
+        "speed-up vs none |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["temperature"], r["batch"], METHODS.index(r["method"]), r.get("k") or 0)):
         b = base.get((r["temperature"], r["batch"]))
         k = "sched" if r["method"] == "draft_model_schedule" else ("-" if r.get("k") is None else r["k"])
         lines.append(
-            f"| {r['method']} | {k} | {r['temperature']:g} | {r['batch']} | {r['time_s']:.3f} | {r['tokens']:.0f} | {r['tok_per_s']:.0f} | "
+            f"| {r['method']} | {k} | {r['temperature']:g} | {r['batch']} | {r['time_s']:.3f} | {r['tokens']:.0f} | "
+            f"{r['tok_per_s']:.0f} | "
             f"{fmt(r['acceptance_rate'], '{:.2f}')} | {fmt(r['acceptance_length'], '{:.2f}')} | "
             f"{fmt(r['tok_per_s'] / b if b else None, '{:.2f}x')} |"
         )
@@ -178,7 +196,9 @@ def speedup_table(rows: list[dict]) -> str:
         acc = cells.get((1.0, 64), {}).get("acceptance_length")
         lines.append(
             f"| {method} | {k} | "
-            + " | ".join(fmt(cells[c]["tok_per_s"] / base[c] if c in cells and base[c] else None, "{:.2f}x") for c in cols)
+            + " | ".join(
+                fmt(cells[c]["tok_per_s"] / base[c] if c in cells and base[c] else None, "{:.2f}x") for c in cols
+            )
             + f" | {fmt(acc, '{:.2f}')} |"
         )
     return "\n".join(lines)
@@ -193,8 +213,10 @@ def engines_table(rows: list[dict]) -> str:
     for r in sorted(rows, key=lambda r: (r["method"], r["temperature"], r["engines"])):
         b = base.get((r["method"], r["temperature"]))
         lines.append(
-            f"| {r['method']} | {r['temperature']:g} | {r['engines']} x {r['cores']} | {r['batch']} | {r['time_s']:.3f} | "
-            f"{r['tok_per_s']:.0f} | {', '.join(f'{t:.2f}' for t in r['per_engine_time_s'])} | {fmt(r['tok_per_s'] / b if b else None, '{:.2f}x')} |"
+            f"| {r['method']} | {r['temperature']:g} | {r['engines']} x {r['cores']} | {r['batch']} | "
+            f"{r['time_s']:.3f} | "
+            f"{r['tok_per_s']:.0f} | {', '.join(f'{t:.2f}' for t in r['per_engine_time_s'])} | "
+            f"{fmt(r['tok_per_s'] / b if b else None, '{:.2f}x')} |"
         )
     return "\n".join(lines)
 
@@ -210,7 +232,8 @@ def engines_verdict(rows: list[dict]) -> str:
         ratio = r["tok_per_s"] / b["tok_per_s"]
         verdict = "not slower" if ratio >= 0.95 else "SLOWER"
         out.append(
-            f"- {r['method']}, T={r['temperature']:g}: {r['engines']} engines x {r['cores']} core = {r['tok_per_s']:.0f} tok/s, "
+            f"- {r['method']}, T={r['temperature']:g}: {r['engines']} engines x {r['cores']} core = "
+            f"{r['tok_per_s']:.0f} tok/s, "
             f"1 engine x {b['cores']} cores = {b['tok_per_s']:.0f} tok/s: {ratio:.2f}x ({verdict})"
         )
     return "\n".join(out)
@@ -232,11 +255,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="k=3 only, batch sizes 8 and 64, temperature 1, 1 repeat, eager engines")
+    p.add_argument(
+        "--quick", action="store_true", help="k=3 only, batch sizes 8 and 64, temperature 1, 1 repeat, eager engines"
+    )
     p.add_argument("--out", default="results/bench", help="folder for rollout.md, rollout.json and the plots")
-    p.add_argument("--engines", action="store_true", help="also compare 1 engine x all cores with 1 engine per core (batch 128)")
+    p.add_argument(
+        "--engines", action="store_true", help="also compare 1 engine x all cores with 1 engine per core (batch 128)"
+    )
     p.add_argument("--engines-only", action="store_true", help="only the engine comparison")
-    p.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)} (default: all that run here)")
+    p.add_argument(
+        "--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)} (default: all that run here)"
+    )
     p.add_argument("--ks", default=None, help="comma-separated num_speculative_tokens (default 1,2,3,5; --quick 3)")
     p.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,8,64,256; --quick 8,64)")
     p.add_argument("--temperatures", default=None, help="comma-separated (default 0,1; --quick 1)")
@@ -245,9 +274,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-k", type=int, default=3, help="num_speculative_tokens for the engine comparison")
     p.add_argument("--engines-batch", type=int, default=128)
     p.add_argument("--engines-methods", default="none,draft_model", help="methods for the engine comparison")
-    p.add_argument("--eager", action="store_true", default=None, help="enforce_eager (skip torch.compile: faster start, slower decode; default with --quick)")
-    p.add_argument("--schedule", default=None, help=f"batch-size schedule of draft_model_schedule as JSON (default {json.dumps(SCHEDULE)})")
-    p.add_argument("--dtype", default="float32", help="vLLM dtype (the toy checkpoint is float32; vLLM-CPU's auto picks bfloat16)")
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        default=None,
+        help="enforce_eager (skip torch.compile: faster start, slower decode; default with --quick)",
+    )
+    p.add_argument(
+        "--schedule",
+        default=None,
+        help=f"batch-size schedule of draft_model_schedule as JSON (default {json.dumps(SCHEDULE)})",
+    )
+    p.add_argument(
+        "--dtype", default="float32", help="vLLM dtype (the toy checkpoint is float32; vLLM-CPU's auto picks bfloat16)"
+    )
 
 
 def finish_args(args: argparse.Namespace) -> None:
@@ -302,7 +342,7 @@ def machine_header(args) -> tuple[str, int]:
 
 def run_methods(args, models, tok, cores: int) -> list[dict]:
     """One engine (all cores) per (method, k); every batch size and temperature on it."""
-    from rl_specdec.generation import SamplingSettings
+    from rl_specdec.rollout import SamplingSettings
 
     rows: list[dict] = []
     prompts = {b: [task_prompts(tok, b, seed=100 * b + r) for r in range(args.repeats)] for b in args.batch_sizes}
@@ -329,7 +369,7 @@ def run_methods(args, models, tok, cores: int) -> list[dict]:
 
 
 def run_engines(args, models, tok, cores: int) -> list[dict]:
-    from rl_specdec.generation import SamplingSettings
+    from rl_specdec.rollout import SamplingSettings
 
     rows: list[dict] = []
     batches = [task_prompts(tok, args.engines_batch, seed=7 + r) for r in range(args.repeats)]
@@ -344,7 +384,14 @@ def run_engines(args, models, tok, cores: int) -> list[dict]:
                     s = SamplingSettings(max_tokens=args.max_tokens, temperature=temp, seed=0 if temp > 0 else None)
                     r = timed_calls(g, batches, s)
                     out = g.generate(prompts, s)  # per-engine busy time of one more call: the load balance
-                    r.update(method=method, temperature=temp, engines=n, cores=c, batch=len(prompts), per_engine_time_s=out.per_engine_time_s)
+                    r.update(
+                        method=method,
+                        temperature=temp,
+                        engines=n,
+                        cores=c,
+                        batch=len(prompts),
+                        per_engine_time_s=out.per_engine_time_s,
+                    )
                     rows.append(r)
                     log(f"  {method} {n}x{c} T={temp:g}: {r['time_s']:.3f}s/call {r['tok_per_s']:.0f} tok/s")
             finally:
@@ -364,20 +411,34 @@ def plot_methods(rows: list[dict], path: Path) -> None:
     panels = [m for m in ("draft_model", "ngram", "suffix") if any(r["method"] == m for r in rows)]
     if not panels or not base:
         return
-    fig, axes = plt.subplots(len(temps), len(panels), figsize=(4.6 * len(panels), 3.4 * len(temps)), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        len(temps), len(panels), figsize=(4.6 * len(panels), 3.4 * len(temps)), squeeze=False, sharey=True
+    )
     for i, temp in enumerate(temps):
         for j, panel in enumerate(panels):
             ax = axes[i][j]
             members = [panel] + (["draft_model_schedule"] if panel == "draft_model" else [])
-            keys = sorted({(r["method"], r.get("k") or 0) for r in rows if r["method"] in members}, key=lambda x: (x[0], x[1]))
+            keys = sorted(
+                {(r["method"], r.get("k") or 0) for r in rows if r["method"] in members}, key=lambda x: (x[0], x[1])
+            )
             for method, k in keys:
                 pts = sorted(
                     (r["batch"], r["tok_per_s"] / base[(temp, r["batch"])])
                     for r in rows
-                    if r["temperature"] == temp and r["method"] == method and (r.get("k") or 0) == k and (temp, r["batch"]) in base
+                    if r["temperature"] == temp
+                    and r["method"] == method
+                    and (r.get("k") or 0) == k
+                    and (temp, r["batch"]) in base
                 )
                 label = "schedule" if method == "draft_model_schedule" else f"k={k}"
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "k--" if method == "draft_model_schedule" else "-", marker="o", ms=3, label=label)
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    "k--" if method == "draft_model_schedule" else "-",
+                    marker="o",
+                    ms=3,
+                    label=label,
+                )
             ax.axhline(1.0, color="grey", lw=1)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{panel}, T={temp:g}", fontsize=10)
@@ -408,7 +469,11 @@ def run(args, print_tables: bool = True) -> dict:
     results: dict = {"header": header, "quick": bool(args.quick), "methods": [], "engines": []}
     md = [f"_{header}_", ""]
     if not has_suffix():
-        md += ["_suffix: skipped, the arctic-inference package is not installed (bash scripts/install_arctic_inference.sh)_", ""]
+        md += [
+            "_suffix: skipped, the arctic-inference package is not installed (bash "
+            "scripts/install_arctic_inference.sh)_",
+            "",
+        ]
     ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False)
     try:
         if not args.engines_only:
@@ -419,13 +484,23 @@ def run(args, print_tables: bool = True) -> dict:
                 print(glance)
                 print("\n### Rollout throughput, one engine on all cores\n")
                 print(table, flush=True)
-            md += ["### Rollout speed-up over no speculation, one engine on all cores", "", glance, "", "![rollout throughput](rollout.png)", ""]
+            md += [
+                "### Rollout speed-up over no speculation, one engine on all cores",
+                "",
+                glance,
+                "",
+                "![rollout throughput](rollout.png)",
+                "",
+            ]
             md += ["### Rollout throughput, one engine on all cores", "", table, ""]
             plot_methods(results["methods"], out_dir / "rollout.png")
         if args.engines or args.engines_only:
             results["engines"] = run_engines(args, models, tok, cores)
             table = engines_table(results["engines"]) + "\n\n" + engines_verdict(results["engines"])
-            title = f"### Data parallel on {cores} cores: 1 engine x {cores} cores vs {cores} engines x 1 core, batch {args.engines_batch}"
+            title = (
+                f"### Data parallel on {cores} cores: 1 engine x {cores} cores vs {cores} engines x 1 core, "
+                f"batch {args.engines_batch}"
+            )
             print(f"\n{title}\n")
             print(table, flush=True)
             md += [title, "", table, ""]

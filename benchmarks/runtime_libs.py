@@ -56,16 +56,20 @@ def lib_variants() -> dict[str, str]:
 
 
 def rollout_round(args, models, tok, preload: str) -> list[dict]:
-    from rl_specdec.generation import SamplingSettings
+    from rl_specdec.rollout import SamplingSettings
 
     rows = []
     for method in ("none", "draft_model"):
-        g = rollout.start(models, method, args, 1, args.cores, k=3, env_vars={"LD_PRELOAD": preload} if preload else None)
+        g = rollout.start(
+            models, method, args, 1, args.cores, k=3, env_vars={"LD_PRELOAD": preload} if preload else None
+        )
         try:
             rollout.warm_up(g, rollout.task_prompts(tok, 128, seed=1), args.max_tokens)
             for b in (8, 128):
                 batches = [rollout.task_prompts(tok, b, seed=100 * b + r) for r in range(args.calls)]
-                r = rollout.timed_calls(g, batches, SamplingSettings(max_tokens=args.max_tokens, temperature=1.0, seed=0))
+                r = rollout.timed_calls(
+                    g, batches, SamplingSettings(max_tokens=args.max_tokens, temperature=1.0, seed=0)
+                )
                 rows.append({"method": method, "batch": b, "tok_per_s": r["tok_per_s"], "time_s": r["time_s"]})
         finally:
             g.shutdown()
@@ -130,14 +134,32 @@ def main(argv=None) -> int:
                     grpo.setdefault((name, r["job"]), []).append(r["generation_s"])
     report = [f"load average at start {load:.2f}, {args.rounds} round(s)"]
     if roll:
-        report += ["", "Rollout tokens/s, median over rounds (ratio to unset):", "", table(roll, "tok_per_s", True, "tok/s")]
+        report += [
+            "",
+            "Rollout tokens/s, median over rounds (ratio to unset):",
+            "",
+            table(roll, "tok_per_s", True, "tok/s"),
+        ]
     if grpo:
-        report += ["", "GRPO generation phase, s per step (ratio to unset, above 1 is faster):", "", table(grpo, "generation_s", False, "s")]
+        report += [
+            "",
+            "GRPO generation phase, s per step (ratio to unset, above 1 is faster):",
+            "",
+            table(grpo, "generation_s", False, "s"),
+        ]
     text = "\n".join(report)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "runtime_libs.md").write_text(text + "\n")
-    (args.out / "runtime_libs.json").write_text(json.dumps({"rollout": {f"{k[0]}|{k[1]}": v for k, v in roll.items()}, "grpo": {f"{k[0]}|{k[1]}": v for k, v in grpo.items()}}, indent=1))
+    (args.out / "runtime_libs.json").write_text(
+        json.dumps(
+            {
+                "rollout": {f"{k[0]}|{k[1]}": v for k, v in roll.items()},
+                "grpo": {f"{k[0]}|{k[1]}": v for k, v in grpo.items()},
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

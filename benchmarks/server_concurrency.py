@@ -37,11 +37,11 @@ import sys
 import time
 from pathlib import Path
 
-from rl_specdec.generation.async_worker import AsyncVllmWorker
-from rl_specdec.generation.group import AsyncVllmGeneration
+from rl_specdec.rollout.group import AsyncVllmGeneration
+from rl_specdec.rollout.serving.async_worker import AsyncVllmWorker
 
 REPO = Path(__file__).resolve().parents[1]
-LEGACY_REV = "f0082a6"  # the last commit with the hand-written server (rl_specdec/generation/server.py)
+LEGACY_REV = "f0082a6"  # the last commit with the hand-written server (rl_specdec/rollout/serving/server.py)
 SERVERS = ("legacy", "vllm")
 
 
@@ -60,7 +60,9 @@ class LegacyBackend:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        return await self.worker._run(prompt_token_ids, SamplingParams(**params, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY))
+        return await self.worker._run(
+            prompt_token_ids, SamplingParams(**params, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        )
 
 
 class ABWorker(AsyncVllmWorker):
@@ -72,7 +74,7 @@ class ABWorker(AsyncVllmWorker):
         info = await super().start_engine(model, vllm_kwargs, seed, cpu_bind, server)
         mod = types.ModuleType("rl_specdec_legacy_server")
         sys.modules[mod.__name__] = mod  # pydantic and dataclasses resolve annotations through it
-        exec(compile(legacy_source, f"{LEGACY_REV}:rl_specdec/generation/server.py", "exec"), mod.__dict__)
+        exec(compile(legacy_source, f"{LEGACY_REV}:rl_specdec/rollout/serving/server.py", "exec"), mod.__dict__)
         cfg = mod.ServerConfig(chat_template=server.get("chat_template"), served_model_name=server["served_model_name"])
         self.legacy = await mod.start_server(LegacyBackend(self, server["served_model_name"]), cfg)
         info["base_url"] = {"legacy": self.legacy.base_url, "vllm": self.server.base_url}
@@ -89,7 +91,7 @@ class ABGeneration(AsyncVllmGeneration):
     worker_cls = ABWorker
 
     def __init__(self, model, config, cluster, server: dict, legacy_source: str):
-        from rl_specdec.generation.server import ServerConfig
+        from rl_specdec.config import ServerConfig
 
         ServerConfig.from_dict(server)
         self._start(model, config, cluster, 0, {"server": server, "legacy_source": legacy_source})
@@ -101,7 +103,9 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def run_level(url: str, prompts: list[str], concurrency: int, n: int, max_tokens: int, seed: int, timeout: float) -> dict:
+async def run_level(
+    url: str, prompts: list[str], concurrency: int, n: int, max_tokens: int, seed: int, timeout: float
+) -> dict:
     import httpx
 
     latencies: list[float] = []
@@ -111,7 +115,13 @@ async def run_level(url: str, prompts: list[str], concurrency: int, n: int, max_
         nonlocal next_i
         while next_i < n:
             i, next_i = next_i, next_i + 1
-            body = {"model": "toy", "messages": [{"role": "user", "content": prompts[i % len(prompts)]}], "max_tokens": max_tokens, "temperature": 1.0, "seed": seed + i}
+            body = {
+                "model": "toy",
+                "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+                "max_tokens": max_tokens,
+                "temperature": 1.0,
+                "seed": seed + i,
+            }
             t = time.perf_counter()
             r = await client.post(url + "/chat/completions", json=body)
             latencies.append(time.perf_counter() - t)
@@ -123,7 +133,13 @@ async def run_level(url: str, prompts: list[str], concurrency: int, n: int, max_
         t0 = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(client_loop(client) for _ in range(concurrency))), timeout=10 * timeout)
         wall = time.perf_counter() - t0
-    return {"concurrency": concurrency, "requests": n, "wall_s": wall, "requests_per_s": n / wall, "latencies": latencies}
+    return {
+        "concurrency": concurrency,
+        "requests": n,
+        "wall_s": wall,
+        "requests_per_s": n / wall,
+        "latencies": latencies,
+    }
 
 
 def measure(g: ABGeneration, prompts: list[str], args) -> dict[tuple[str, int], list[dict]]:
@@ -137,10 +153,17 @@ def measure(g: ABGeneration, prompts: list[str], args) -> dict[tuple[str, int], 
             first, second = SERVERS if rep % 2 else SERVERS[::-1]
             for server in (first, second, second, first):
                 a0, e0 = cpu_s(actor), cpu_s(engine)
-                row = asyncio.run(run_level(urls[server], prompts, c, n, args.max_tokens, args.seed + 1000 * c + rep, args.timeout))
+                row = asyncio.run(
+                    run_level(urls[server], prompts, c, n, args.max_tokens, args.seed + 1000 * c + rep, args.timeout)
+                )
                 row.update(server=server, rep=rep, load1=os.getloadavg()[0])
                 row.update(actor_cpu_ms=1000 * (cpu_s(actor) - a0) / n, engine_cpu_ms=1000 * (cpu_s(engine) - e0) / n)
-                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items() if k != "latencies"}), flush=True)
+                print(
+                    json.dumps(
+                        {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items() if k != "latencies"}
+                    ),
+                    flush=True,
+                )
                 if rep > 0:
                     cells.setdefault((server, c), []).append(row)
     return cells
@@ -167,13 +190,16 @@ def summarise(cells: dict[tuple[str, int], list[dict]], levels: list[int]) -> tu
             )
     legacy = {r["concurrency"]: r["requests_per_s"] for r in rows if r["server"] == "legacy"}
     lines = [
-        "| server | concurrent | requests | req/s (median) | vs legacy | p50 (s) | p99 (s) | actor CPU ms/req | engine CPU ms/req | req/s per run |",
+        "| server | concurrent | requests | req/s (median) | vs legacy | p50 (s) | p99 (s) | actor CPU ms/req | "
+        "engine CPU ms/req | req/s per run |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['server']} | {r['concurrency']} | {r['requests']} | {r['requests_per_s']:.2f} | {r['requests_per_s'] / legacy[r['concurrency']]:.2f}x | "
-            f"{r['latency_p50_s']:.3f} | {r['latency_p99_s']:.3f} | {r['actor_cpu_ms']:.1f} | {r['engine_cpu_ms']:.1f} | {', '.join(map(str, r['runs']))} |"
+            f"| {r['server']} | {r['concurrency']} | {r['requests']} | {r['requests_per_s']:.2f} | "
+            f"{r['requests_per_s'] / legacy[r['concurrency']]:.2f}x | "
+            f"{r['latency_p50_s']:.3f} | {r['latency_p99_s']:.3f} | {r['actor_cpu_ms']:.1f} | "
+            f"{r['engine_cpu_ms']:.1f} | {', '.join(map(str, r['runs']))} |"
         )
     return rows, "\n".join(lines)
 
@@ -192,24 +218,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for results.json and table.md")
     args = ap.parse_args(argv)
 
-    from rl_specdec.environments.sorting import SortingTask
-    from rl_specdec.generation import ClusterConfig, GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.config import ClusterConfig, GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.tasks.sorting import SortingTask
     from rl_specdec.toy.build import build_toy_models
     from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE, toy_engine_kwargs, usable_cores
 
-    legacy_source = subprocess.check_output(["git", "-C", str(REPO), "show", f"{args.legacy_rev}:rl_specdec/generation/server.py"], text=True)
+    legacy_source = subprocess.check_output(
+        ["git", "-C", str(REPO), "show", f"{args.legacy_rev}:rl_specdec/rollout/serving/server.py"], text=True
+    )
     toy = build_toy_models()
     spec = {
         "draft_model": {"method": "draft_model", "model": str(toy.drafter), "num_speculative_tokens": 3},
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
         "none": None,
     }[args.spec]
-    prompts = [s.prompt[:-1] for s in SortingTask().make_batch(seed=args.seed + 17, n=64)]  # the template adds "="
+    prompts = [
+        s.prompt[:-1] for s in SortingTask(max_len=24).make_batch(seed=args.seed + 17, n=64)
+    ]  # the template adds "="
     cores, load0 = usable_cores(), os.getloadavg()
     print(f"load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} ({cores} cores)", flush=True)
     kw = validate_vllm_kwargs(toy_engine_kwargs(speculative_config=spec), str(toy.policy))
     server = {"chat_template": TOY_CHAT_TEMPLATE, "served_model_name": "toy"}
-    g = ABGeneration(str(toy.policy), GenerationConfig(num_engines=1, cpus_per_engine=cores, vllm_kwargs=kw), ClusterConfig(num_cpus=cores), server, legacy_source)
+    g = ABGeneration(
+        str(toy.policy),
+        GenerationConfig(num_engines=1, cpus_per_engine=cores, vllm_kwargs=kw),
+        ClusterConfig(num_cpus=cores),
+        server,
+        legacy_source,
+    )
     try:
         cells = measure(g, prompts, args)
     finally:
@@ -219,8 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     rows, table = summarise(cells, args.concurrency)
     note = (
-        f"speculation {args.spec}, max_tokens={args.max_tokens}, temperature 1, {cores} cores, {args.repeats} timed A B B A blocks "
-        f"per level, both servers on one engine; legacy = {args.legacy_rev}; load average before {load0[0]:.1f}, after {os.getloadavg()[0]:.1f}"
+        f"speculation {args.spec}, max_tokens={args.max_tokens}, temperature 1, {cores} cores, {args.repeats} timed A "
+        "B B A blocks "
+        f"per level, both servers on one engine; legacy = {args.legacy_rev}; load average before {load0[0]:.1f}, "
+        f"after {os.getloadavg()[0]:.1f}"
     )
     print(table + "\n" + note)
     if args.out:

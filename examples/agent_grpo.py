@@ -1,6 +1,6 @@
 """GRPO on a tool-using agent task, through vLLM's OpenAI server, with speculative decoding on.
 
-The task (rl_specdec/environments/lookup.py): the user names a key; the model
+The task (rl_specdec/tasks/lookup.py): the user names a key; the model
 must call the ``lookup`` tool with it (hermes style,
 ``<tool_call>{"name":"lookup","arguments":{"key":"a"}}</tool_call>``), the
 environment answers with a ``tool`` message carrying the key's hidden value,
@@ -42,9 +42,11 @@ SERVER = {"served_model_name": "tooltoy", "tool_call_parser": "hermes", "enable_
 
 def held_out(base_url: str, task, n: int, seed: int) -> dict[str, float]:
     """Success, tool-call and right-key rates over ``n`` held-out episodes at temperature 1."""
-    from rl_specdec.environments.lookup import play_many
+    from rl_specdec.tasks.lookup import play_many
 
-    xs = asyncio.run(play_many(base_url, SERVER["served_model_name"], task, task.validation_batch(seed, n), seed=10_000 + seed))
+    xs = asyncio.run(
+        play_many(base_url, SERVER["served_model_name"], task, task.validation_batch(seed, n), seed=10_000 + seed)
+    )
     return {k: sum(float(x[k]) for x in xs) / n for k in ("correct", "called", "right_key")}
 
 
@@ -56,26 +58,42 @@ def grpo_step(gen, policy, loss_fn, base_url: str, task, step: int, args) -> str
     """One step: rollouts through the server, advantages, a policy update, refit. Returns its log line."""
     import torch
 
-    from rl_specdec.algorithms import group_advantages
-    from rl_specdec.algorithms.batch import Trajectory, build_train_batch
-    from rl_specdec.environments.lookup import play_many
-    from rl_specdec.spec_decode import aggregate_spec_decode_counters, compute_spec_decode_metrics
+    from rl_specdec.grpo import group_advantages
+    from rl_specdec.grpo.batch import Trajectory, build_train_batch
+    from rl_specdec.metrics import aggregate_spec_decode_counters, compute_spec_decode_metrics
+    from rl_specdec.tasks.lookup import play_many
 
     ts = time.time()
     episodes = task.make_batch(args.seed * 1_000_003 + step, args.episodes)
     before = aggregate_spec_decode_counters(gen.engine_counters())  # the engine serves only this step
-    xs = asyncio.run(play_many(base_url, SERVER["served_model_name"], task, episodes, group=args.group, seed=args.seed * 7919 + step * 10_007))
+    xs = asyncio.run(
+        play_many(
+            base_url,
+            SERVER["served_model_name"],
+            task,
+            episodes,
+            group=args.group,
+            seed=args.seed * 7919 + step * 10_007,
+        )
+    )
     spec = compute_spec_decode_metrics(before, aggregate_spec_decode_counters(gen.engine_counters()))
     t_gen = time.time() - ts
     rewards = torch.tensor([x["reward"] for x in xs])  # [P*G]
     two = [x for x in xs if len(x["prompts"]) == 2]  # the tool was called: prompt 2 must extend turn 1's exact ids
-    spliced = sum(x["prompts"][1][: len(x["prompts"][0]) + len(x["turns"][0][1])] == x["prompts"][0] + x["turns"][0][1] for x in two)
-    batch = build_train_batch([Trajectory(x["ids"], x["turns"]) for x in xs], group_advantages(rewards, args.group), args.pad_id)
+    spliced = sum(
+        x["prompts"][1][: len(x["prompts"][0]) + len(x["turns"][0][1])] == x["prompts"][0] + x["turns"][0][1]
+        for x in two
+    )
+    batch = build_train_batch(
+        [Trajectory(x["ids"], x["turns"]) for x in xs], group_advantages(rewards, args.group), args.pad_id
+    )
     m = policy.train_step(batch, loss_fn)
     gen.update_weights(policy.state_dict_for_refit())
     line = (
-        f"step {step + 1}/{args.steps}: reward {rewards.mean():.3f} tool called {sum(x['called'] for x in xs) / len(xs):.2f} "
-        f"right key {sum(x['right_key'] for x in xs) / len(xs):.2f} spliced {spliced}/{len(two)} model tokens {int(batch['loss_mask'].sum())} "
+        f"step {step + 1}/{args.steps}: reward {rewards.mean():.3f} tool called "
+        f"{sum(x['called'] for x in xs) / len(xs):.2f} "
+        f"right key {sum(x['right_key'] for x in xs) / len(xs):.2f} spliced {spliced}/{len(two)} model tokens "
+        f"{int(batch['loss_mask'].sum())} "
         f"logprob_mismatch {m['logprob_mismatch']:.2e} gen {t_gen:.1f}s step {time.time() - ts:.1f}s"
     )
     if spec:
@@ -99,15 +117,14 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from rl_specdec.logging import configure_console
+    from rl_specdec.metrics.console import configure_console
 
     configure_console("info" if args.verbose else "error")  # before anything imports vLLM
 
-    from rl_specdec.algorithms import ClippedPGLoss
-    from rl_specdec.config import PolicyConfig
-    from rl_specdec.generation import ClusterConfig, GenerationConfig, validate_vllm_kwargs
-    from rl_specdec.generation.group import AsyncVllmGeneration
+    from rl_specdec.config import ClusterConfig, GenerationConfig, PolicyConfig, validate_vllm_kwargs
+    from rl_specdec.grpo import ClippedPGLoss
     from rl_specdec.policy import PolicyGroup
+    from rl_specdec.rollout.group import AsyncVllmGeneration
     from rl_specdec.toy.presets import toy_engine_kwargs, usable_cores
     from rl_specdec.toy.tools import ToolToyConfig, build_tool_tokenizer, build_tool_toy
 
@@ -122,17 +139,31 @@ def main(argv: list[str] | None = None) -> int:
     }[args.spec]
     cores = usable_cores()
     kw = validate_vllm_kwargs(toy_engine_kwargs(speculative_config=spec), str(toy.policy))
-    gen = AsyncVllmGeneration(str(toy.policy), GenerationConfig(num_engines=1, cpus_per_engine=cores, vllm_kwargs=kw), ClusterConfig(num_cpus=cores), seed=args.seed, server=SERVER)
+    gen = AsyncVllmGeneration(
+        str(toy.policy),
+        GenerationConfig(num_engines=1, cpus_per_engine=cores, vllm_kwargs=kw),
+        ClusterConfig(num_cpus=cores),
+        seed=args.seed,
+        server=SERVER,
+    )
     policy = None
     try:
         (base_url,) = gen.base_urls()
-        print(f"engine up in {gen.start_s:.0f}s, serving {base_url} (speculation: {args.spec}, tool parser: hermes)", flush=True)
+        print(
+            f"engine up in {gen.start_s:.0f}s, serving {base_url} (speculation: {args.spec}, tool parser: hermes)",
+            flush=True,
+        )
         if spec is not None:  # refuse to train on a sampler that is not lossless
             report = gen.check_sampling([tok.encode("<tools>lookup</tools>a=")] * 64, max_tokens=48, seed=args.seed)
             print(f"sampling self-check passed: {report.summary()}", flush=True)
         before = held_out(base_url, task, args.eval, args.seed)
         print(f"held-out before: {fmt(before)} over {args.eval} episodes, temperature 1", flush=True)
-        policy = PolicyGroup(PolicyConfig(model_name=str(toy.policy), device="cpu", dtype="float32", learning_rate=args.lr, num_threads=cores), seed=args.seed)
+        policy = PolicyGroup(
+            PolicyConfig(
+                model_name=str(toy.policy), device="cpu", dtype="float32", learning_rate=args.lr, num_threads=cores
+            ),
+            seed=args.seed,
+        )
         loss_fn = ClippedPGLoss(clip_eps=0.2)
         for step in range(args.steps):
             print(grpo_step(gen, policy, loss_fn, base_url, task, step, args), flush=True)

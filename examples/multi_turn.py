@@ -35,7 +35,6 @@ import time
 
 import torch
 
-
 # ---- the environment -------------------------------------------------------------------------------
 
 
@@ -48,10 +47,14 @@ def make_episode(rng: random.Random, len1: tuple[int, int], len2: tuple[int, int
 async def play(client, model: str, a: str, b: str, max_tokens: int, seed: int) -> dict:
     """Two chat turns; returns the final trajectory and its reward inputs."""
     msgs = [{"role": "user", "content": a}]
-    r1 = await client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=1.0, seed=seed)
+    r1 = await client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=max_tokens, temperature=1.0, seed=seed
+    )
     m1 = r1.choices[0].message.to_dict()  # keeps prompt_token_ids / generation_token_ids
     msgs += [m1, {"role": "user", "content": b}]
-    r2 = await client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=1.0, seed=seed + 1)
+    r2 = await client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=max_tokens, temperature=1.0, seed=seed + 1
+    )
     m2 = r2.choices[0].message.to_dict()
     p1, g1 = m1["prompt_token_ids"], m1["generation_token_ids"]
     p2, g2 = m2["prompt_token_ids"], m2["generation_token_ids"]
@@ -68,7 +71,15 @@ async def play(client, model: str, a: str, b: str, max_tokens: int, seed: int) -
     }
 
 
-async def rollouts(base_url: str, model: str, episodes: list[tuple[str, str]], group: int, max_tokens: int, seed: int, concurrency: int = 32):
+async def rollouts(
+    base_url: str,
+    model: str,
+    episodes: list[tuple[str, str]],
+    group: int,
+    max_tokens: int,
+    seed: int,
+    concurrency: int = 32,
+):
     from openai import AsyncOpenAI
 
     sem = asyncio.Semaphore(concurrency)
@@ -87,7 +98,7 @@ async def rollouts(base_url: str, model: str, episodes: list[tuple[str, str]], g
 
 def trajectory(x: dict):
     """The final sequence, with each model turn's ids and log-probs (the loss covers both turns)."""
-    from rl_specdec.algorithms.batch import Trajectory
+    from rl_specdec.grpo.batch import Trajectory
 
     return Trajectory(x["ids"], x["turns"])
 
@@ -107,14 +118,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from rl_specdec.algorithms import ClippedPGLoss, group_advantages
-    from rl_specdec.algorithms.batch import build_train_batch
-    from rl_specdec.environments.sorting import SortingTask
-    from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
-    from rl_specdec.generation.group import AsyncVllmGeneration
-    from rl_specdec.config import PolicyConfig
+    from rl_specdec.config import GenerationConfig, PolicyConfig, validate_vllm_kwargs
+    from rl_specdec.grpo import ClippedPGLoss, group_advantages
+    from rl_specdec.grpo.batch import build_train_batch
+    from rl_specdec.metrics import aggregate_spec_decode_counters, compute_spec_decode_metrics
     from rl_specdec.policy import PolicyGroup
-    from rl_specdec.spec_decode import aggregate_spec_decode_counters, compute_spec_decode_metrics
+    from rl_specdec.rollout.group import AsyncVllmGeneration
+    from rl_specdec.tasks.sorting import SortingTask
     from rl_specdec.toy.build import build_tokenizer, build_toy_models
     from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE, toy_engine_kwargs, usable_cores
 
@@ -142,15 +152,22 @@ def main(argv: list[str] | None = None) -> int:
         if spec is not None:  # refuse to train on a sampler that is not lossless
             report = gen.check_sampling([tok.encode("31")] * 64, max_tokens=12, seed=args.seed)
             print(f"sampling self-check passed: {report.summary()}", flush=True)
-        policy = PolicyGroup(PolicyConfig(model_name=str(toy.policy), device="cpu", dtype="float32", learning_rate=args.lr, num_threads=cores), seed=args.seed)
+        policy = PolicyGroup(
+            PolicyConfig(
+                model_name=str(toy.policy), device="cpu", dtype="float32", learning_rate=args.lr, num_threads=cores
+            ),
+            seed=args.seed,
+        )
         loss_fn = ClippedPGLoss(clip_eps=0.2)
-        task = SortingTask()
+        task = SortingTask(max_len=24)
         for step in range(args.steps):
             ts = time.time()
             rng = random.Random(args.seed * 1_000_003 + step)
             episodes = [make_episode(rng, args.len1, args.len2) for _ in range(args.prompts)]
             before = aggregate_spec_decode_counters(gen.engine_counters())  # the engine serves only this step
-            trajs = asyncio.run(rollouts(base_url, "toy", episodes, args.group, args.max_tokens, seed=args.seed * 7919 + step * 10_007))
+            trajs = asyncio.run(
+                rollouts(base_url, "toy", episodes, args.group, args.max_tokens, seed=args.seed * 7919 + step * 10_007)
+            )
             spec_m = compute_spec_decode_metrics(before, aggregate_spec_decode_counters(gen.engine_counters()))
             t_gen = time.time() - ts
             scores = [[task.score(*ans) for ans in x["answers"]] for x in trajs]  # [P*G][2 turns]
@@ -162,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             acc2 = sum(sc[1].correct for sc in scores) / len(scores)
             ntok = sum(len(ids) for x in trajs for _, ids, _ in x["turns"])
             line = (
-                f"step {step + 1}/{args.steps}: reward {rewards.mean():.3f} accuracy turn 1 {acc1:.2f} turn 2 {acc2:.2f} "
+                f"step {step + 1}/{args.steps}: reward {rewards.mean():.3f} accuracy turn 1 {acc1:.2f} turn 2 "
+                f"{acc2:.2f} "
                 f"model tokens {ntok} logprob_mismatch {m['logprob_mismatch']:.2e} "
                 f"gen {t_gen:.1f}s step {time.time() - ts:.1f}s"
             )
@@ -170,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                 line += f" acceptance_length {spec_m['spec_decode/acceptance_length']:.2f}"
             print(line, flush=True)
         x = trajs[0]
-        print(f"example trajectory: {tok.decode(x['ids'])!r} (want {x['answers'][0][1]!r}, then {x['answers'][1][1]!r})")
+        print(
+            f"example trajectory: {tok.decode(x['ids'])!r} (want {x['answers'][0][1]!r}, then {x['answers'][1][1]!r})"
+        )
     finally:
         if policy is not None:
             policy.shutdown()

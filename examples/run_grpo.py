@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     overrides = list(args.overrides) + (["logger.level=info"] if args.verbose else [])
 
-    from rl_specdec.logging import configure_console
+    from rl_specdec.metrics.console import configure_console
 
     configure_console("info" if args.verbose else "error")  # before anything imports vLLM
     from rl_specdec.config import ConfigError, load_config, to_yaml
@@ -39,7 +39,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     configure_console(cfg.logger.level)
 
-    from rl_specdec.algorithms.grpo import train
     from rl_specdec.errors import (
         CheckpointDamaged,
         GenerationEngineDied,
@@ -48,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         SpecDecodeCanaryTripped,
         WeightIntegrityError,
     )
+    from rl_specdec.grpo.loop import train
 
     t0 = time.time()
     try:
@@ -55,14 +55,24 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # e.g. more GPUs than the Ray cluster has, found before any actor started
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except (GenerationEngineDied, SamplingSelfCheckFailed, PolicyWorkerDied, CheckpointDamaged, WeightIntegrityError, SpecDecodeCanaryTripped) as e:
+    except (
+        GenerationEngineDied,
+        SamplingSelfCheckFailed,
+        PolicyWorkerDied,
+        CheckpointDamaged,
+        WeightIntegrityError,
+        SpecDecodeCanaryTripped,
+    ) as e:
         print(f"error: {e}", file=sys.stderr)  # the loop already logged the step and the last checkpoint
         return 1
     if not last:  # resume=true found the run already at grpo.max_steps
-        print(f"nothing to do: the checkpoint in {cfg.logger.log_dir} is already at grpo.max_steps={cfg.grpo.max_steps}")
+        print(
+            f"nothing to do: the checkpoint in {cfg.logger.log_dir} is already at grpo.max_steps={cfg.grpo.max_steps}"
+        )
         return 0
     print(
-        f"done in {time.time() - t0:.0f}s: reward {last['train/reward_mean']:.3f} accuracy {last['train/accuracy']:.3f}; "
+        f"done in {time.time() - t0:.0f}s: reward {last['train/reward_mean']:.3f} accuracy "
+        f"{last['train/accuracy']:.3f}; "
         f"metrics in {cfg.logger.log_dir}/metrics.jsonl (plot: python -m rl_specdec.plot {cfg.logger.log_dir})"
     )
     return 0

@@ -12,6 +12,10 @@ class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key and the fix."""
 
 
+class VllmIncompatible(ConfigError):
+    """The installed vLLM is not the one rl_specdec's engine hooks were written for, or a hook moved."""
+
+
 class GenerationEngineDied(RuntimeError):
     """A vLLM engine actor died; the run cannot continue with this group."""
 

@@ -61,7 +61,14 @@ def plot(log_dirs: list[str], out: str) -> str:
         ax[4].plot(x, y, label=f"{name} mean |logp_train - logp_gen|")
         x, y = _series(rows, "generation/tokens_per_s")
         ax[5].plot(x, y, label=f"{name} generation tok/s")
-    titles = ["reward / accuracy", "spec_decode acceptance rate", "spec_decode acceptance length", "time per phase (s)", "log-prob mismatch (on-policy check)", "rollout throughput"]
+    titles = [
+        "reward / accuracy",
+        "spec_decode acceptance rate",
+        "spec_decode acceptance length",
+        "time per phase (s)",
+        "log-prob mismatch (on-policy check)",
+        "rollout throughput",
+    ]
     for a, t in zip(ax, titles):
         a.set_title(t)
         a.set_xlabel("step")
@@ -93,12 +100,22 @@ def summarize(log_dir: str) -> str:
         "| | first 10% of steps | last 10% of steps |",
         "| --- | --- | --- |",
     ]
-    for key in ("train/reward_mean", "train/accuracy", "spec_decode/acceptance_rate", "spec_decode/acceptance_length", "train/logprob_mismatch"):
+    for key in (
+        "train/reward_mean",
+        "train/accuracy",
+        "spec_decode/acceptance_rate",
+        "spec_decode/acceptance_length",
+        "train/logprob_mismatch",
+    ):
         if any(key in r for r in rows):
-            lines.append(f"| {key} | {_mean([r.get(key) for r in first]):.4g} | {_mean([r.get(key) for r in last]):.4g} |")
+            lines.append(
+                f"| {key} | {_mean([r.get(key) for r in first]):.4g} | {_mean([r.get(key) for r in last]):.4g} |"
+            )
     vals = [(r["step"], r["val/accuracy"]) for r in all_rows if "val/accuracy" in r]
     if vals:
-        lines.append(f"| val/accuracy | {vals[0][1]:.3f} (step {vals[0][0]}) | {vals[-1][1]:.3f} (step {vals[-1][0]}) |")
+        lines.append(
+            f"| val/accuracy | {vals[0][1]:.3f} (step {vals[0][0]}) | {vals[-1][1]:.3f} (step {vals[-1][0]}) |"
+        )
     phases = sorted({k for r in rows for k in r if k.startswith("timing/") and k != "timing/step"})
     lines += ["", "| phase | total s | share of step time |", "| --- | --- | --- |"]
     for ph in phases:

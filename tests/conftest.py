@@ -14,6 +14,7 @@ docs/speculative_decoding.md).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ CPU_VLLM_KWARGS: dict[str, Any] = TOY_ENGINE_KWARGS
 # 2-core machine would otherwise hold only two engines at a time. Engines take
 # turns (one generate call at a time), so the oversubscription is harmless.
 RAY_TEST_CPUS = 16
+TESTS_DIR = Path(__file__).resolve().parent
 HOST_CORES = usable_cores()
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -53,9 +55,9 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def task_prompts(tokenizer) -> list[list[int]]:
     """16 sorting-task prompts as token ids ("31415=" ...)."""
-    from rl_specdec.environments.sorting import SortingTask
+    from rl_specdec.tasks.sorting import SortingTask
 
-    return [tokenizer.encode(s.prompt) for s in SortingTask().make_batch(seed=123, n=16)]
+    return [tokenizer.encode(s.prompt) for s in SortingTask(max_len=24).make_batch(seed=123, n=16)]
 
 
 @pytest.fixture(scope="session")
@@ -108,10 +110,21 @@ def hf_token_logprobs(model, prompt: list[int], completion: list[int]) -> list[f
 
 
 def ensure_local_ray(num_cpus: int = RAY_TEST_CPUS) -> None:
+    """A local Ray instance whose workers (and the engine-core processes they spawn) can import the test
+    helpers, e.g. ``engine_debug``'s worker extension."""
+    import os
+
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH")) if p)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": path}},
+        )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -137,12 +150,22 @@ def local_ray():
     ray.shutdown()
 
 
-def start_engine(policy_path, spec: dict[str, Any] | None, *, num_engines: int = 1, cpus_per_engine: int | None = None, env_vars=None, cluster=None, control=None, group_cls=None, **extra_kwargs):
+def start_engine(
+    policy_path,
+    spec: dict[str, Any] | None,
+    *,
+    num_engines: int = 1,
+    cpus_per_engine: int | None = None,
+    env_vars=None,
+    cluster=None,
+    control=None,
+    group_cls=None,
+    **extra_kwargs,
+):
     """A VllmGeneration (or ``group_cls``) on the toy policy, with ``spec`` as its speculative_config
     and ``control`` (a dict) as its speculation_control."""
-    from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
-    from rl_specdec.generation.config import SpeculationControlConfig
-    from rl_specdec.generation.group import VllmGeneration
+    from rl_specdec.config import GenerationConfig, SpeculationControlConfig, validate_vllm_kwargs
+    from rl_specdec.rollout.group import VllmGeneration
 
     kw = validate_vllm_kwargs({**CPU_VLLM_KWARGS, **extra_kwargs, "speculative_config": spec}, str(policy_path))
     cfg = GenerationConfig(
@@ -210,9 +233,11 @@ DIST_TOKENS = 12
 
 def dist_samples(g, tokenizer, seed: int, n: int = DIST_SAMPLES) -> list[list[int]]:
     """``n`` temperature-1 samples of ``DIST_TOKENS`` tokens after ``DIST_PROMPT``."""
-    from rl_specdec.generation import SamplingSettings
+    from rl_specdec.rollout import SamplingSettings
 
-    out = g.generate([tokenizer.encode(DIST_PROMPT)] * n, SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=seed))
+    out = g.generate(
+        [tokenizer.encode(DIST_PROMPT)] * n, SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=seed)
+    )
     return out.token_ids
 
 
@@ -247,5 +272,3 @@ def position_test(a: list[list[int]], b: list[list[int]], n_pos: int = DIST_TOKE
         pvals.append(float(chi2_contingency(table)[1]))
     assert pvals, "no position had two categories: the test prompt has no randomness"
     return min(1.0, min(pvals) * len(pvals)), pvals
-
-

@@ -16,8 +16,8 @@ import json
 import pytest
 
 from conftest import CPU_VLLM_KWARGS, HOST_CORES, draft_spec
-from rl_specdec.environments.lookup import LOOKUP_TOOL, Episode, LookupTask, model_tool_call, play
-from rl_specdec.generation import GenerationConfig, validate_vllm_kwargs
+from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
+from rl_specdec.tasks.lookup import LOOKUP_TOOL, Episode, LookupTask, model_tool_call, play
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,7 @@ HTTP_TIMEOUT = 120.0  # per request, seconds: a bound, not an assertion
 
 def regex(text: str) -> str:
     """``text`` as a regex for vLLM's structured outputs (escape what the grammar treats as syntax)."""
-    return "".join("\\" + c if c in '{}[]().*+?^$|\\' else c for c in text)
+    return "".join("\\" + c if c in "{}[]().*+?^$|\\" else c for c in text)
 
 
 def forced(key: str, answer: str):
@@ -57,11 +57,18 @@ def tool_tok(tool_toy):
 
 @pytest.fixture(scope="module")
 def url(request, local_ray, tool_toy):
-    from rl_specdec.generation.group import AsyncVllmGeneration
+    from rl_specdec.rollout.group import AsyncVllmGeneration
 
-    kw = validate_vllm_kwargs({**CPU_VLLM_KWARGS, "speculative_config": draft_spec(tool_toy.drafter)}, str(tool_toy.policy))
+    kw = validate_vllm_kwargs(
+        {**CPU_VLLM_KWARGS, "speculative_config": draft_spec(tool_toy.drafter)}, str(tool_toy.policy)
+    )
     cfg = GenerationConfig(num_engines=1, cpus_per_engine=HOST_CORES, vllm_kwargs=kw, self_check=False)
-    server = {"served_model_name": MODEL, "tool_call_parser": "hermes", "enable_auto_tool_choice": True, "api_key": API_KEY}
+    server = {
+        "served_model_name": MODEL,
+        "tool_call_parser": "hermes",
+        "enable_auto_tool_choice": True,
+        "api_key": API_KEY,
+    }
     g = AsyncVllmGeneration(str(tool_toy.policy), cfg, server=server)  # the chat template is the tokenizer's own
     request.addfinalizer(g.shutdown)
     return g.base_urls()[0]
@@ -84,7 +91,10 @@ def test_tools_in_tool_calls_out(client, tool_tok):
     async def main():
         async with client() as c:
             return await c.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "q"}], tools=[LOOKUP_TOOL], max_tokens=48,
+                model=MODEL,
+                messages=[{"role": "user", "content": "q"}],
+                tools=[LOOKUP_TOOL],
+                max_tokens=48,
                 extra_body={"structured_outputs": {"regex": regex(model_tool_call("q"))}},
             )
 
@@ -107,11 +117,22 @@ def test_a_tool_episode_is_one_monotonic_token_sequence_over_three_turns(client,
             x = await play(c, MODEL, LookupTask(), episode("q", {"q": "482"}), seed=1, extra_body=forced("q", "482"))
             # a third model turn after the tool turn: the client sends the whole history back
             msgs = [{"role": "user", "content": "q"}]
-            r1 = await c.chat.completions.create(model=MODEL, messages=msgs, tools=[LOOKUP_TOOL], max_tokens=48,
-                                                 extra_body={"structured_outputs": {"regex": regex(model_tool_call("q"))}})
+            r1 = await c.chat.completions.create(
+                model=MODEL,
+                messages=msgs,
+                tools=[LOOKUP_TOOL],
+                max_tokens=48,
+                extra_body={"structured_outputs": {"regex": regex(model_tool_call("q"))}},
+            )
             m1 = r1.choices[0].message.to_dict()
             msgs += [m1, {"role": "tool", "tool_call_id": m1["tool_calls"][0]["id"], "content": "482"}]
-            r2 = await c.chat.completions.create(model=MODEL, messages=msgs, tools=[LOOKUP_TOOL], max_tokens=8, extra_body={"structured_outputs": {"regex": "482"}})
+            r2 = await c.chat.completions.create(
+                model=MODEL,
+                messages=msgs,
+                tools=[LOOKUP_TOOL],
+                max_tokens=8,
+                extra_body={"structured_outputs": {"regex": "482"}},
+            )
             m2 = r2.choices[0].message.to_dict()
             msgs += [m2, {"role": "user", "content": "z"}]
             r3 = await c.chat.completions.create(model=MODEL, messages=msgs, tools=[LOOKUP_TOOL], max_tokens=4)
@@ -124,7 +145,9 @@ def test_a_tool_episode_is_one_monotonic_token_sequence_over_three_turns(client,
     for a, b in ((m1, m2), (m2, m3)):
         prefix = a["prompt_token_ids"] + a["generation_token_ids"]
         assert b["prompt_token_ids"][: len(prefix)] == prefix
-    assert tool_tok.decode(m3["prompt_token_ids"][len(m2["prompt_token_ids"]) + len(m2["generation_token_ids"]) :]) == "z="
+    assert (
+        tool_tok.decode(m3["prompt_token_ids"][len(m2["prompt_token_ids"]) + len(m2["generation_token_ids"]) :]) == "z="
+    )
 
 
 def test_retokenization_case_the_splice_keeps_the_models_own_tool_call_tokens(url, client, tool_tok):
@@ -144,13 +167,27 @@ def test_retokenization_case_the_splice_keeps_the_models_own_tool_call_tokens(ur
     (_, g1, _), _ = x["turns"]
     msgs = [
         {"role": "user", "content": "k"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "k"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "k"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "907"},
     ]
-    r = httpx.post(url.removesuffix("/v1") + "/tokenize", json={"model": MODEL, "messages": msgs, "tools": [LOOKUP_TOOL]},
-                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=HTTP_TIMEOUT)
+    r = httpx.post(
+        url.removesuffix("/v1") + "/tokenize",
+        json={"model": MODEL, "messages": msgs, "tools": [LOOKUP_TOOL]},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=HTTP_TIMEOUT,
+    )
     template = r.json()["tokens"]
-    assert tool_tok.decode(template) == '<tools>lookup</tools>k=<tool_call>\n{"name": "lookup", "arguments": {"key": "k"}}\n</tool_call><eos><tool_response>907</tool_response>'
+    assert (
+        tool_tok.decode(template)
+        == '<tools>lookup</tools>k=<tool_call>\n{"name": "lookup", "arguments": {"key": "k"}}\n</tool_call><eos>'
+        "<tool_response>907</tool_response>"
+    )
     assert p2 == p1 + g1 + tool_tok.encode("<tool_response>907</tool_response>")
     assert tool_tok.decode(g1) == model_tool_call("k") + "<eos>"
     assert template != p2 and template[: len(p1)] == p1
@@ -160,7 +197,11 @@ def test_a_streamed_tool_call(client):
     async def main():
         async with client() as c:
             s = await c.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[LOOKUP_TOOL], max_tokens=48, stream=True,
+                model=MODEL,
+                messages=[{"role": "user", "content": "x"}],
+                tools=[LOOKUP_TOOL],
+                max_tokens=48,
+                stream=True,
                 extra_body={"structured_outputs": {"regex": regex(model_tool_call("x"))}},
             )
             names, args, finish = [], "", None
@@ -184,7 +225,16 @@ def test_wrong_key_and_malformed_calls_score_zero(client):
         async with client() as c:
             ep = episode("q", {"q": "482", "b": "555"})
             wrong = await play(c, MODEL, LookupTask(), ep, seed=5, extra_body=forced("b", "555"))
-            broken = await play(c, MODEL, LookupTask(), ep, seed=7, extra_body=lambda t: {"structured_outputs": {"regex": regex('<tool_call>{"name":"lookup"</tool_call>')}})
+            broken = await play(
+                c,
+                MODEL,
+                LookupTask(),
+                ep,
+                seed=7,
+                extra_body=lambda t: {
+                    "structured_outputs": {"regex": regex('<tool_call>{"name":"lookup"</tool_call>')}
+                },
+            )
             return wrong, broken
 
     wrong, broken = run(main)
@@ -197,7 +247,7 @@ def test_trajectory_masks_the_tool_tokens(client, tool_tok):
     """Both model turns are in the loss; the tool response and the prompt are context only."""
     import torch
 
-    from rl_specdec.algorithms.batch import Trajectory, build_train_batch
+    from rl_specdec.grpo.batch import Trajectory, build_train_batch
 
     async def main():
         async with client() as c:

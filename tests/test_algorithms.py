@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_specdec.algorithms import ClippedPGLoss, group_advantages
-from rl_specdec.algorithms.batch import Trajectory, build_train_batch
-from rl_specdec.algorithms.checkpoint import CheckpointManager
-from rl_specdec.algorithms.grpo import decode_response
 from rl_specdec.errors import CheckpointDamaged
-from rl_specdec.environments import SortingTask
-from rl_specdec.generation import GenerationOutput
+from rl_specdec.grpo import ClippedPGLoss, group_advantages
+from rl_specdec.grpo.batch import Trajectory, build_train_batch
+from rl_specdec.grpo.checkpoint import CheckpointManager
+from rl_specdec.grpo.step import decode_response
+from rl_specdec.rollout import GenerationOutput
+from rl_specdec.tasks import SortingTask
 
 
 def test_group_advantages_normalise_within_groups():
@@ -69,7 +69,10 @@ def test_clipped_pg_loss_clips_and_measures_mismatch():
 
 
 def test_build_train_batch_aligns_response_tokens_and_logprobs():
-    trajs = [Trajectory.single_turn([5, 6, 12], [2, 1], [-0.1, -0.2]), Trajectory.single_turn([7, 12], [3, 4, 1], [-0.3, -0.4, -0.5])]
+    trajs = [
+        Trajectory.single_turn([5, 6, 12], [2, 1], [-0.1, -0.2]),
+        Trajectory.single_turn([7, 12], [3, 4, 1], [-0.3, -0.4, -0.5]),
+    ]
     b = build_train_batch(trajs, torch.tensor([1.0, -1.0]), pad_id=0)
     assert b["input_ids"].tolist() == [[5, 6, 12, 2, 1], [7, 12, 3, 4, 1]]
     assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
@@ -157,7 +160,12 @@ def test_damaged_checkpoint_is_named_and_the_previous_one_used(tmp_path, caplog)
     cm = CheckpointManager(str(tmp_path), keep=2)
     cm.save(2, _save_fake_policy, {"step": 2})
     cm.save(4, _save_fake_policy, {"step": 4})
-    assert json.loads((tmp_path / "step_000004/manifest.json").read_text())["files"]["policy/model/model.safetensors"]["bytes"] > 4000
+    assert (
+        json.loads((tmp_path / "step_000004/manifest.json").read_text())["files"]["policy/model/model.safetensors"][
+            "bytes"
+        ]
+        > 4000
+    )
     newest = tmp_path / "step_000004/policy/model/model.safetensors"
     newest.write_bytes(newest.read_bytes()[:100])  # truncated, as by a full disk or a killed copy
 
@@ -172,7 +180,11 @@ def test_damaged_checkpoint_is_named_and_the_previous_one_used(tmp_path, caplog)
     data = bytearray(older.read_bytes())
     data[-1] ^= 0xFF
     older.write_bytes(bytes(data))
-    with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint .*step_000004: policy/model/model.safetensors has 100 bytes.*step_000002: policy/optimizer.pt does not match its sha256"):
+    with pytest.raises(
+        CheckpointDamaged,
+        match=r"no intact checkpoint .*step_000004: policy/model/model.safetensors has 100 bytes"
+        r".*step_000002: policy/optimizer.pt does not match its sha256",
+    ):
         CheckpointManager(str(tmp_path)).latest()
 
 
@@ -180,9 +192,18 @@ def test_plot_renders_png(tmp_path):
     from rl_specdec.plot import main
 
     rows = [
-        {"step": s, "train/reward_mean": 0.1 * s, "train/accuracy": 0.05 * s, "spec_decode/acceptance_rate": 0.7,
-         "spec_decode/acceptance_length": 3.0, "spec_decode/acceptance_rate_pos_1": 0.8, "timing/generation": 1.0,
-         "timing/train": 0.5, "train/logprob_mismatch": 1e-7, "generation/tokens_per_s": 500.0}
+        {
+            "step": s,
+            "train/reward_mean": 0.1 * s,
+            "train/accuracy": 0.05 * s,
+            "spec_decode/acceptance_rate": 0.7,
+            "spec_decode/acceptance_length": 3.0,
+            "spec_decode/acceptance_rate_pos_1": 0.8,
+            "timing/generation": 1.0,
+            "timing/train": 0.5,
+            "train/logprob_mismatch": 1e-7,
+            "generation/tokens_per_s": 500.0,
+        }
         for s in range(1, 5)
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -193,13 +214,15 @@ def test_plot_renders_png(tmp_path):
 
 
 def test_select_for_training_drops_zero_advantage_groups():
-    from rl_specdec.algorithms.batch import select_for_training
+    from rl_specdec.grpo.batch import select_for_training
 
     adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0]), group_size=2)  # groups: mixed, same, same
     assert select_for_training(adv, skip_zero=True) == [0, 1]
     assert select_for_training(adv, skip_zero=False) == list(range(6))
     assert select_for_training(torch.zeros(4), skip_zero=True) == [0, 1, 2, 3]  # no signal at all: keep the batch
-    out = GenerationOutput(token_ids=[[1], [2], [3]], logprobs=[[-1.0], [-2.0], [-3.0]], finish_reasons=["stop", "length", "stop"])
+    out = GenerationOutput(
+        token_ids=[[1], [2], [3]], logprobs=[[-1.0], [-2.0], [-3.0]], finish_reasons=["stop", "length", "stop"]
+    )
     sub = out.select([2, 0])
     assert sub.token_ids == [[3], [1]] and sub.logprobs == [[-3.0], [-1.0]] and sub.finish_reasons == ["stop", "stop"]
 
@@ -221,8 +244,12 @@ def test_held_out_split_is_disjoint_and_keeps_the_length_mix():
     val = t.validation_batch(10**9 + 7, 256)
     assert not any(t.is_held_out(s) for s in train) and all(t.is_held_out(s) for s in val)
     assert not {s.answer for s in train} & {s.answer for s in val}  # not even a shared answer
-    assert sorted(len(s.prompt) - 1 for s in val) == sorted(4 + (i * 9) // 256 for i in range(256))  # stratified as before
-    assert 0.08 < sum(t.is_held_out(t.sample_problem(random.Random(i))) for i in range(4000)) / 4000 < 0.17  # ~1/8 held out
+    assert sorted(len(s.prompt) - 1 for s in val) == sorted(
+        4 + (i * 9) // 256 for i in range(256)
+    )  # stratified as before
+    assert (
+        0.08 < sum(t.is_held_out(t.sample_problem(random.Random(i))) for i in range(4000)) / 4000 < 0.17
+    )  # ~1/8 held out
     with pytest.raises(ValueError, match="no validation problem of length 1"):
         SortingTask(min_len=1, max_len=1, holdout_every=1000).validation_batch(0, 4)
 
@@ -234,14 +261,16 @@ def test_default_run_never_trains_on_a_validation_problem(config, seed):
     from pathlib import Path
     from types import SimpleNamespace
 
-    from rl_specdec.algorithms.grpo import VAL_SEED, step_prompts
     from rl_specdec.config import load_config
-    from rl_specdec.environments import make_task
+    from rl_specdec.grpo.step import VAL_SEED, step_prompts
+    from rl_specdec.tasks import make_task
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / config, [f"seed={seed}"], resolve_models=False)
-    assert not cfg.env.kwargs.get("dataset_size"), "the default run trains on fresh problems, not a fixed pool"
-    run = SimpleNamespace(cfg=cfg, task=make_task(cfg.env.name, **cfg.env.kwargs))
-    held_out = run.task.validation_batch(VAL_SEED, cfg.grpo.val_num_prompts) + run.task.validation_batch(VAL_SEED + 1, cfg.grpo.self_check_prompts)
+    assert not cfg.task.kwargs.get("dataset_size"), "the default run trains on fresh problems, not a fixed pool"
+    run = SimpleNamespace(cfg=cfg, task=make_task(cfg.task.name, **cfg.task.kwargs))
+    held_out = run.task.validation_batch(VAL_SEED, cfg.grpo.val_num_prompts) + run.task.validation_batch(
+        VAL_SEED + 1, cfg.grpo.self_check_prompts
+    )
     train = [s for step in range(cfg.grpo.max_steps) for s in step_prompts(run, step)]
     assert len(train) == cfg.grpo.max_steps * cfg.grpo.num_prompts_per_step
     assert cfg.grpo.val_num_prompts >= 256
@@ -250,14 +279,23 @@ def test_default_run_never_trains_on_a_validation_problem(config, seed):
 
 
 def test_time_until_done_and_tail_metrics():
-    from rl_specdec.algorithms.grpo import tail_metrics
+    from rl_specdec.grpo.step import tail_metrics
 
-    out = GenerationOutput(token_ids=[[1]] * 10, logprobs=[[0.0]] * 10, finish_reasons=["stop"] * 10, finish_time_s=[0.9, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 5.0])
+    out = GenerationOutput(
+        token_ids=[[1]] * 10,
+        logprobs=[[0.0]] * 10,
+        finish_reasons=["stop"] * 10,
+        finish_time_s=[0.9, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 5.0],
+    )
     assert out.time_until_done(0.5) == 0.5  # the 5th of 10 sorted times
     assert out.time_until_done(0.9) == 0.9
     assert out.time_until_done(1.0) == 5.0  # the straggler the step waits for
     assert out.time_until_done(0.01) == 0.1
-    assert tail_metrics(out) == {"generation/time_to_50pct_done": 0.5, "generation/time_to_90pct_done": 0.9, "generation/time_to_100pct_done": 5.0}
+    assert tail_metrics(out) == {
+        "generation/time_to_50pct_done": 0.5,
+        "generation/time_to_90pct_done": 0.9,
+        "generation/time_to_100pct_done": 5.0,
+    }
     sub = out.select([9, 0])
     assert sub.finish_time_s == [5.0, 0.9]
     with pytest.raises(ValueError, match="fraction"):
@@ -267,7 +305,7 @@ def test_time_until_done_and_tail_metrics():
 
 
 def test_drafter_subset_is_bounded_seeded_and_complete_when_unbounded():
-    from rl_specdec.algorithms.drafter_upkeep import drafter_subset
+    from rl_specdec.drafter.upkeep import drafter_subset
 
     assert drafter_subset(128, 0, step=3) == list(range(128))
     assert drafter_subset(16, 32, step=3) == list(range(16))

@@ -41,15 +41,26 @@ def test_gpu_configs_fit_the_hardware_they_state(name):
     have = STATED_HARDWARE[name]
     check_cluster_resources(cfg, have)
     fewer = {**have, "GPU": have["GPU"] - 1}
-    with pytest.raises(ConfigError, match=rf"asks for {have['GPU']} GPUs but the Ray cluster has {have['GPU'] - 1}|cluster has no GPU"):
+    with pytest.raises(
+        ConfigError, match=rf"asks for {have['GPU']} GPUs but the Ray cluster has {have['GPU'] - 1}|cluster has no GPU"
+    ):
         check_cluster_resources(cfg, fewer)
 
 
 def test_cluster_check_counts_policy_and_engines():
     from rl_specdec.config import check_cluster_resources
 
-    cfg = load_config(SPEC, ["policy.device=cuda", "cluster.address=auto", "policy.num_workers=4", "policy.generation.num_engines=3",
-                             "policy.generation.vllm_kwargs.tensor_parallel_size=2"], resolve_models=False)
+    cfg = load_config(
+        SPEC,
+        [
+            "policy.device=cuda",
+            "cluster.address=auto",
+            "policy.num_workers=4",
+            "policy.generation.num_engines=3",
+            "policy.generation.vllm_kwargs.tensor_parallel_size=2",
+        ],
+        resolve_models=False,
+    )
     check_cluster_resources(cfg, {"GPU": 10, "CPU": 3})  # 4 x 1 + 3 x 2 GPUs; 3 CPUs, one per GPU engine
     with pytest.raises(ConfigError) as e:
         check_cluster_resources(cfg, {"GPU": 8, "CPU": 64})
@@ -62,7 +73,9 @@ def test_cluster_check_counts_policy_and_engines():
     # on CPU: engines reserve cpus_per_engine, workers cpus_per_worker; the default run fits 2 cores
     check_cluster_resources(load_config(SPEC, resolve_models=False), {"CPU": 2})
     cpu = load_config(SPEC, ["policy.num_workers=2", "policy.cpus_per_worker=1"], resolve_models=False)
-    with pytest.raises(ConfigError, match=r"asks for 4 CPUs but the Ray cluster has 2: policy 2 x 1 .* = 2, engines 1 x 2"):
+    with pytest.raises(
+        ConfigError, match=r"asks for 4 CPUs but the Ray cluster has 2: policy 2 x 1 .* = 2, engines 1 x 2"
+    ):
         check_cluster_resources(cpu, {"CPU": 2})
 
 
@@ -97,15 +110,24 @@ def test_resolved_toy_config_fills_rl_defaults():
 
 
 def test_overrides_any_key_and_null():
-    cfg = load_config(SPEC, ["grpo.max_steps=5", "logger.log_dir=/tmp/somewhere", "policy.generation.vllm_kwargs.speculative_config=null"], resolve_models=False)
+    cfg = load_config(
+        SPEC,
+        ["grpo.max_steps=5", "logger.log_dir=/tmp/somewhere", "policy.generation.vllm_kwargs.speculative_config=null"],
+        resolve_models=False,
+    )
     assert cfg.grpo.max_steps == 5
     assert cfg.logger.log_dir == "/tmp/somewhere"
-    assert "speculative_config" not in cfg.policy.generation.vllm_kwargs or cfg.policy.generation.vllm_kwargs["speculative_config"] is None
+    assert (
+        "speculative_config" not in cfg.policy.generation.vllm_kwargs
+        or cfg.policy.generation.vllm_kwargs["speculative_config"] is None
+    )
 
 
 def test_defaults_inheritance_and_interpolation(tmp_path):
     (tmp_path / "base.yaml").write_text("seed: 3\ngrpo: {max_steps: 7}\nlogger: {log_dir: /tmp/base}\n")
-    (tmp_path / "child.yaml").write_text("defaults: [base.yaml]\ngrpo: {val_every: 2}\nlogger: {log_dir: '/tmp/run_${seed}'}\n")
+    (tmp_path / "child.yaml").write_text(
+        "defaults: [base.yaml]\ngrpo: {val_every: 2}\nlogger: {log_dir: '/tmp/run_${seed}'}\n"
+    )
     cfg = load_config(tmp_path / "child.yaml", resolve_models=False)
     assert (cfg.seed, cfg.grpo.max_steps, cfg.grpo.val_every, cfg.logger.log_dir) == (3, 7, 2, "/tmp/run_3")
 
@@ -126,7 +148,7 @@ def test_defaults_inheritance_and_interpolation(tmp_path):
         (["policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens=0"], "num_speculative_tokens"),
         (["policy.generation.vllm_kwargs.speculative_config.rejection_sample_method=synthetic"], "synthetic"),
         (["policy.generation.vllm_kwargs.speculative_config.model=/nope"], "speculative_config.model"),
-        (["env.name=chess"], "env.name"),
+        (["task.name=chess"], "task.name"),
         (["logger.wandb.mode=sometimes"], "logger.wandb.mode"),
         (["grpo.max_steps"], "key=value"),
         (["policy.num_workers=0"], "policy.num_workers"),
@@ -138,21 +160,80 @@ def test_defaults_inheritance_and_interpolation(tmp_path):
         (["policy.refit_bucket_bytes=0"], "policy.refit_bucket_bytes"),
         (["policy.placement_strategy=RANDOM"], "policy.placement_strategy"),
         (["policy.device=cuda"], "policy.device=cuda"),  # this machine has no CUDA and no cluster.address is set
-        (["policy.generation.drafter_training.enabled=true", "policy.generation.drafter_training.top_k=21"], "drafter_training.top_k"),
-        (["policy.generation.drafter_training.enabled=true", "policy.generation.drafter_training.every=0"], "drafter_training.every"),
-        (["policy.generation.drafter_training.enabled=true", "policy.generation.drafter_training.max_sequences=-1"], "drafter_training.max_sequences"),
-        (["policy.generation.drafter_training.enabled=true", "policy.generation.vllm_kwargs.speculative_config=null"], "needs speculation"),
+        (
+            ["policy.generation.drafter_training.enabled=true", "policy.generation.drafter_training.top_k=21"],
+            "drafter_training.top_k",
+        ),
+        (
+            ["policy.generation.drafter_training.enabled=true", "policy.generation.drafter_training.every=0"],
+            "drafter_training.every",
+        ),
+        (
+            ["policy.generation.drafter_training.enabled=true", "policy.generation.drafter_training.max_sequences=-1"],
+            "drafter_training.max_sequences",
+        ),
+        (
+            [
+                "policy.generation.drafter_training.enabled=true",
+                "policy.generation.vllm_kwargs.speculative_config=null",
+            ],
+            "needs speculation",
+        ),
         (["policy.generation.acceptance_canary.action=ignore"], "acceptance_canary.action"),
         (["policy.generation.acceptance_canary.min_ratio=1.5"], "acceptance_canary.min_ratio"),
         (["policy.generation.speculation_control.mode=auto"], "speculation_control.mode"),
-        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.vllm_kwargs.speculative_config=null"], "needs speculation"),
-        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.vllm_kwargs.speculative_config.method=ngram", "policy.generation.vllm_kwargs.speculative_config.model=null", "policy.generation.vllm_kwargs.speculative_config.draft_sample_method=null"], "draft_model only"),
-        (["policy.generation.speculation_control.mode=fixed", "policy.generation.vllm_kwargs.async_scheduling=true"], "async_scheduling"),
-        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.k_max=2"], "speculation_control.k_max=2"),
-        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.buckets=[2,4]"], "speculation_control.buckets"),
-        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.explore=0.9"], "speculation_control.explore"),
-        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.explore_steps=0"], "speculation_control.explore_steps"),
-        (["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.min_gain=-0.1"], "speculation_control.min_gain"),
+        (
+            [
+                "policy.generation.speculation_control.mode=adaptive",
+                "policy.generation.vllm_kwargs.speculative_config=null",
+            ],
+            "needs speculation",
+        ),
+        (
+            [
+                "policy.generation.speculation_control.mode=adaptive",
+                "policy.generation.vllm_kwargs.speculative_config.method=ngram",
+                "policy.generation.vllm_kwargs.speculative_config.model=null",
+                "policy.generation.vllm_kwargs.speculative_config.draft_sample_method=null",
+            ],
+            "draft_model only",
+        ),
+        (
+            ["policy.generation.speculation_control.mode=fixed", "policy.generation.vllm_kwargs.async_scheduling=true"],
+            "async_scheduling",
+        ),
+        (
+            ["policy.generation.speculation_control.mode=adaptive", "policy.generation.speculation_control.k_max=2"],
+            "speculation_control.k_max=2",
+        ),
+        (
+            [
+                "policy.generation.speculation_control.mode=adaptive",
+                "policy.generation.speculation_control.buckets=[2,4]",
+            ],
+            "speculation_control.buckets",
+        ),
+        (
+            [
+                "policy.generation.speculation_control.mode=adaptive",
+                "policy.generation.speculation_control.explore=0.9",
+            ],
+            "speculation_control.explore",
+        ),
+        (
+            [
+                "policy.generation.speculation_control.mode=adaptive",
+                "policy.generation.speculation_control.explore_steps=0",
+            ],
+            "speculation_control.explore_steps",
+        ),
+        (
+            [
+                "policy.generation.speculation_control.mode=adaptive",
+                "policy.generation.speculation_control.min_gain=-0.1",
+            ],
+            "speculation_control.min_gain",
+        ),
     ],
 )
 def test_bad_values_name_the_key(overrides, needle):
@@ -194,8 +275,17 @@ def test_drafter_with_other_vocab_is_refused(tmp_path):
 
 def test_entry_point_fails_fast_with_the_key(tmp_path):
     r = subprocess.run(
-        [sys.executable, str(ROOT / "examples/run_grpo.py"), "--config", str(SPEC), "grpo.lr=1", f"logger.log_dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "examples/run_grpo.py"),
+            "--config",
+            str(SPEC),
+            "grpo.lr=1",
+            f"logger.log_dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 2
     assert "grpo.lr" in r.stderr

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from conftest import dist_samples, draft_spec, hf_greedy, position_test, start_engine
+from rl_specdec.drafter.canary import AcceptanceCanary
 from rl_specdec.errors import WeightIntegrityError
-from rl_specdec.generation import SamplingSettings
-from rl_specdec.spec_decode import compute_spec_decode_metrics
-from rl_specdec.spec_decode.canary import AcceptanceCanary
+from rl_specdec.metrics import compute_spec_decode_metrics
+from rl_specdec.rollout import SamplingSettings
 
 pytestmark = pytest.mark.integration
 
@@ -33,12 +33,17 @@ GREEDY = SamplingSettings(max_tokens=MAX_TOKENS, temperature=0.0)
 def _drafter_state(path) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    return {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items()}
+    return {
+        k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items()
+    }
 
 
 def _perturbed(sd: dict[str, torch.Tensor], scale: float, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    out = {k: (v + torch.randn(v.shape, generator=g) * v.std() * scale) if v.numel() > 1 else v.clone() for k, v in sd.items()}
+    out = {
+        k: (v + torch.randn(v.shape, generator=g) * v.std() * scale) if v.numel() > 1 else v.clone()
+        for k, v in sd.items()
+    }
     out["lm_head.weight"] = out["model.embed_tokens.weight"]  # tied, as in the toy
     return out
 
@@ -90,7 +95,9 @@ def _greedy(g, prompts):
     return out.token_ids, out.spec_counters
 
 
-def test_drafter_refit_is_lossless_and_equals_a_fresh_engine_with_those_weights(eng_draft, eng_w, drafter_w, task_prompts, hf_reference, toy):
+def test_drafter_refit_is_lossless_and_equals_a_fresh_engine_with_those_weights(
+    eng_draft, eng_w, drafter_w, task_prompts, hf_reference, toy
+):
     tokens0, counters0 = _greedy(eng_draft, task_prompts)
     tokens_w, counters_w = _greedy(eng_w, task_prompts)
     assert tokens0 == tokens_w == hf_reference
@@ -114,11 +121,20 @@ def test_temperature_one_distribution_after_a_drafter_refit(eng_draft, eng_none,
 
 
 @pytest.mark.parametrize("target", ["policy", "drafter"])
-def test_a_wrong_name_or_shape_is_refused_and_nothing_is_loaded(eng_draft, hf_policy, task_prompts, hf_reference, toy, target):
+def test_a_wrong_name_or_shape_is_refused_and_nothing_is_loaded(
+    eng_draft, hf_policy, task_prompts, hf_reference, toy, target
+):
     good = dict(hf_policy.state_dict()) if target == "policy" else _drafter_state(toy.drafter)
     _, counters0 = _greedy(eng_draft, task_prompts)
-    renamed = {("model.layers.0.mlp.gate_prj.weight" if k == "model.layers.0.mlp.gate_proj.weight" else k): torch.zeros_like(v) for k, v in good.items()}
-    with pytest.raises(WeightIntegrityError, match=r"engine 0 refused the .* 'model\.layers\.0\.mlp\.gate_prj\.weight' is not a parameter.*did you mean 'model\.layers\.0\.mlp\.gate_proj\.weight'"):
+    renamed = {
+        ("model.layers.0.mlp.gate_prj.weight" if k == "model.layers.0.mlp.gate_proj.weight" else k): torch.zeros_like(v)
+        for k, v in good.items()
+    }
+    with pytest.raises(
+        WeightIntegrityError,
+        match=r"engine 0 refused the .* 'model\.layers\.0\.mlp\.gate_prj\.weight' is not a parameter"
+        r".*did you mean 'model\.layers\.0\.mlp\.gate_proj\.weight'",
+    ):
         eng_draft.update_weights(renamed, target=target)
     reshaped = {k: (v[:-1] if k == "model.norm.weight" else torch.zeros_like(v)) for k, v in good.items()}
     with pytest.raises(WeightIntegrityError, match=r"'model\.norm\.weight' has shape"):
@@ -153,7 +169,9 @@ def test_refitting_random_drafter_weights_trips_the_canary(eng_draft, toy, token
     assert not step(11)[1], "the restored drafter still trips the canary"
 
 
-def test_a_streamed_refit_in_small_buckets_is_lossless_and_verified(eng_draft, eng_none, hf_policy, task_prompts, hf_reference, tokenizer):
+def test_a_streamed_refit_in_small_buckets_is_lossless_and_verified(
+    eng_draft, eng_none, hf_policy, task_prompts, hf_reference, tokenizer
+):
     """The loop's refit path: policy weights W streamed in buckets smaller than a layer. Greedy tokens
     equal transformers' on W; a wrong shape in a late bucket is named; streamed back to the real
     weights, greedy and the temperature-1 distribution are the policy's again."""
@@ -179,10 +197,15 @@ def test_a_streamed_refit_in_small_buckets_is_lossless_and_verified(eng_draft, e
         i = next(i for i, b in enumerate(bad) if "model.norm.weight" in b)
         assert i > 2, "the bad tensor must come after buckets that load"
         bad[i] = {k: (v[:-1] if k == "model.norm.weight" else v) for k, v in bad[i].items()}
-        with pytest.raises(WeightIntegrityError, match=r"engine 0 refused the policy refit \(the buckets before .* 'model\.norm\.weight' has shape"):
+        with pytest.raises(
+            WeightIntegrityError,
+            match=r"engine 0 refused the policy refit \(the buckets before .* 'model\.norm\.weight' has shape",
+        ):
             eng_draft.update_weights_buckets(bad)
     finally:
         eng_draft.update_weights_buckets(pieces(good))
     assert _greedy(eng_draft, task_prompts)[0] == hf_reference
-    p, per_pos = position_test(dist_samples(eng_none, tokenizer, seed=1000), dist_samples(eng_draft, tokenizer, seed=3000))
+    p, per_pos = position_test(
+        dist_samples(eng_none, tokenizer, seed=1000), dist_samples(eng_draft, tokenizer, seed=3000)
+    )
     assert p > 1e-3, f"after a streamed refit the token distribution differs from no speculation (p={p:.2e}; {per_pos})"

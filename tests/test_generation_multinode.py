@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import NGRAM, actor_states, hf_greedy, start_engine, wait_until
-from rl_specdec.generation import ClusterConfig, SamplingSettings
+from rl_specdec.config import ClusterConfig
+from rl_specdec.rollout import SamplingSettings
 
 pytestmark = pytest.mark.integration
 

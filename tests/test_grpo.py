@@ -26,13 +26,29 @@ SMALL = [
 
 # Every key a step must log (spec_decode per-position keys are checked separately).
 REQUIRED = [
-    "train/reward_mean", "train/reward_std", "train/accuracy",
-    "train/loss", "train/kl", "train/entropy", "train/grad_norm",
-    "train/logprob_mismatch", "train/logprob_mismatch_max", "train/ratio_error",
-    "generation/tokens_per_s", "generation/response_length_mean", "generation/response_length_max",
-    "timing/generation", "timing/train", "timing/refit", "timing/reward", "timing/step",
-    "spec_decode/num_drafts", "spec_decode/num_draft_tokens", "spec_decode/num_accepted_tokens",
-    "spec_decode/acceptance_rate", "spec_decode/acceptance_length",
+    "train/reward_mean",
+    "train/reward_std",
+    "train/accuracy",
+    "train/loss",
+    "train/kl",
+    "train/entropy",
+    "train/grad_norm",
+    "train/logprob_mismatch",
+    "train/logprob_mismatch_max",
+    "train/ratio_error",
+    "generation/tokens_per_s",
+    "generation/response_length_mean",
+    "generation/response_length_max",
+    "timing/generation",
+    "timing/train",
+    "timing/refit",
+    "timing/reward",
+    "timing/step",
+    "spec_decode/num_drafts",
+    "spec_decode/num_draft_tokens",
+    "spec_decode/num_accepted_tokens",
+    "spec_decode/acceptance_rate",
+    "spec_decode/acceptance_length",
 ]
 # On-policy check: generation and training log-probs of the same tokens, both fp32 on CPU.
 MISMATCH_THRESHOLD = 1e-3
@@ -44,7 +60,7 @@ def _rows(log_dir, with_baseline=False):
 
 
 def _train(log_dir, *extra):
-    from rl_specdec.algorithms.grpo import train
+    from rl_specdec.grpo.loop import train
 
     cfg = load_config(ROOT / "configs/grpo_spec.yaml", SMALL + [f"logger.log_dir={log_dir}", *extra])
     return train(cfg, progress=False)
@@ -53,7 +69,14 @@ def _train(log_dir, *extra):
 ASYNC_ON = "policy.generation.vllm_kwargs.async_scheduling=true"  # asked for; vLLM's CPU platform drops it
 DUMMY = "policy.generation.vllm_kwargs.load_format=dummy"  # random engine weights until the first sync
 DRAFTER_ON = "policy.generation.drafter_training.enabled=true"
-DRAFTER_KEYS = ["drafter/loss", "drafter/kl", "drafter/version", "timing/drafter_train", "timing/drafter_wait", "timing/drafter_refit"]
+DRAFTER_KEYS = [
+    "drafter/loss",
+    "drafter/kl",
+    "drafter/version",
+    "timing/drafter_train",
+    "timing/drafter_wait",
+    "timing/drafter_refit",
+]
 
 
 class _Collect(logging.Handler):
@@ -80,7 +103,9 @@ def uninterrupted(tmp_path_factory):
 
 def test_metrics_jsonl_has_every_key_finite(uninterrupted):
     # k: the most tokens a draft can have (with a batch-size schedule, the largest k in it)
-    max_k = load_config(ROOT / "configs/grpo_spec.yaml", SMALL).policy.generation.vllm_kwargs["speculative_config"]["num_speculative_tokens"]
+    max_k = load_config(ROOT / "configs/grpo_spec.yaml", SMALL).policy.generation.vllm_kwargs["speculative_config"][
+        "num_speculative_tokens"
+    ]
     rows = _rows(uninterrupted)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
@@ -111,13 +136,15 @@ def test_step_zero_validation_comes_from_the_trainers_weights(uninterrupted, hf_
     """The engines started from random (dummy) weights; the sync before the first rollout must make the
     step-0 validation exactly what the real policy gives (greedy, transformers)."""
     from conftest import hf_greedy
-    from rl_specdec.algorithms.grpo import VAL_SEED
-    from rl_specdec.environments import make_task
+    from rl_specdec.grpo.step import VAL_SEED
+    from rl_specdec.tasks import make_task
 
     cfg = load_config(ROOT / "configs/grpo_spec.yaml", SMALL)
-    samples = make_task(cfg.env.name, **cfg.env.kwargs).validation_batch(seed=VAL_SEED, n=cfg.grpo.val_num_prompts)
+    samples = make_task(cfg.task.name, **cfg.task.kwargs).validation_batch(seed=VAL_SEED, n=cfg.grpo.val_num_prompts)
     outs = hf_greedy(hf_policy, [tokenizer.encode(s.prompt) for s in samples], cfg.policy.generation.max_new_tokens)
-    want = sum(o[-1:] == [tokenizer.eos_token_id] and tokenizer.decode(o[:-1]) == s.answer for o, s in zip(outs, samples)) / len(samples)
+    want = sum(
+        o[-1:] == [tokenizer.eos_token_id] and tokenizer.decode(o[:-1]) == s.answer for o, s in zip(outs, samples)
+    ) / len(samples)
     baseline = _rows(uninterrupted, with_baseline=True)[0]
     assert baseline["val/accuracy"] == pytest.approx(want, abs=1e-9)
     assert want > 0, "the real toy policy solves some validation problems; 0 would not tell dummy from real weights"
@@ -147,8 +174,10 @@ def test_engine_yaml_says_what_the_engine_runs(uninterrupted):
     assert engine["backend"] == "cpu" and engine["cpu_expand_fix"] is True and engine["dtype"] == "float32"
     assert engine["load_format"] == "dummy"
     warned = [m for m in (Path(uninterrupted) / "warnings.txt").read_text().splitlines() if "the engine runs" in m]
-    assert len(warned) == 1 and "vllm_kwargs.async_scheduling: requested True, the engine runs False" in warned[0], warned
-    assert "vllm: " in (Path(uninterrupted) / "env.txt").read_text()
+    assert len(warned) == 1 and "vllm_kwargs.async_scheduling: requested True, the engine runs False" in warned[0], (
+        warned
+    )
+    assert "vllm: " in (Path(uninterrupted) / "sysinfo.txt").read_text()
 
 
 def test_strict_engine_settings_stop_before_the_first_step(tmp_path):
@@ -178,8 +207,8 @@ def test_engine_death_stops_run_and_resume_continues_identically(tmp_path, monke
     import os
     import signal
 
-    from rl_specdec.algorithms import grpo
     from rl_specdec.errors import GenerationEngineDied
+    from rl_specdec.grpo import loop as grpo
 
     off = "policy.generation.vllm_kwargs.speculative_config=null"
     full, part = tmp_path / "full", tmp_path / "crashed"
@@ -221,24 +250,36 @@ def test_canary_disable_restarts_the_engines_without_speculation(tmp_path, monke
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rl_specdec.algorithms import grpo
+    from rl_specdec.grpo import loop as grpo
 
     real_step, seen = grpo.grpo_step, {}
 
     def wipe_the_drafter_after_step_4(run, step):
         row = real_step(run, step)
         if step == 3:
-            sd = AutoModelForCausalLM.from_pretrained(run.cfg.policy.generation.vllm_kwargs["speculative_config"]["model"]).state_dict()
+            sd = AutoModelForCausalLM.from_pretrained(
+                run.cfg.policy.generation.vllm_kwargs["speculative_config"]["model"]
+            ).state_dict()
             g = torch.Generator().manual_seed(0)
-            run.generation.update_weights({k: torch.randn(v.shape, generator=g) * v.float().std() for k, v in sd.items()}, target="drafter")
+            run.generation.update_weights(
+                {k: torch.randn(v.shape, generator=g) * v.float().std() for k, v in sd.items()}, target="drafter"
+            )
         seen[step] = run.generation.config.vllm_kwargs.get("speculative_config")
         return row
 
     monkeypatch.setattr(grpo, "grpo_step", wipe_the_drafter_after_step_4)
-    _train(tmp_path, "grpo.max_steps=6", "grpo.val_every=0", "checkpoint.enabled=false", "logger.wandb.enabled=false",
-           "policy.generation.acceptance_canary.action=disable")
+    _train(
+        tmp_path,
+        "grpo.max_steps=6",
+        "grpo.val_every=0",
+        "checkpoint.enabled=false",
+        "logger.wandb.enabled=false",
+        "policy.generation.acceptance_canary.action=disable",
+    )
     rows = _rows(tmp_path)
     assert [r.get("spec_decode/canary") for r in rows] == [0.0, 0.0, 0.0, 0.0, 1.0, None]
     assert seen[3] is not None and seen[4] is None and seen[5] is None, seen
     assert "spec_decode/num_drafts" not in rows[5] and rows[5]["generation/num_tokens"] > 0
-    assert rows[5]["train/logprob_mismatch"] < MISMATCH_THRESHOLD, "the restarted engines do not hold the trainer's weights"
+    assert rows[5]["train/logprob_mismatch"] < MISMATCH_THRESHOLD, (
+        "the restarted engines do not hold the trainer's weights"
+    )

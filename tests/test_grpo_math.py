@@ -27,9 +27,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl_specdec.algorithms import ClippedPGLoss, group_advantages
-from rl_specdec.algorithms.batch import Trajectory, build_train_batch, select_for_training
 from rl_specdec.config import PolicyConfig
+from rl_specdec.grpo import ClippedPGLoss, group_advantages
+from rl_specdec.grpo.batch import Trajectory, build_train_batch, select_for_training
 from rl_specdec.policy import PolicyWorker
 
 PROMPT = [3]  # any token: the unigram policy ignores its context
@@ -139,7 +139,9 @@ def _bandit(rewarded_arm: int, shuffle_rewards: bool, steps: int = 60, seed: int
     w = _worker(torch.zeros(4), lr=0.05, optimizer=torch.optim.Adam)
     for _ in range(steps):
         theta = w.model.theta.detach().clone()
-        ys = torch.multinomial(torch.softmax(theta, -1).expand(4, -1), 8, replacement=True, generator=gen).flatten()  # [P*G]
+        ys = torch.multinomial(
+            torch.softmax(theta, -1).expand(4, -1), 8, replacement=True, generator=gen
+        ).flatten()  # [P*G]
         rewards = (ys == rewarded_arm).float()  # [P*G]
         if shuffle_rewards:
             rewards = rewards[torch.randperm(rewards.numel(), generator=gen)]
@@ -176,8 +178,16 @@ def test_advantage_signs_reach_a_real_transformer():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                      intermediate_size=64, max_position_embeddings=32, pad_token_id=0)
+    cfg = Qwen2Config(
+        vocab_size=16,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        pad_token_id=0,
+    )
     model = Qwen2ForCausalLM(cfg).float()
     w = PolicyWorker.from_module(_config(micro_batch_size=3), model, torch.optim.SGD(model.parameters(), lr=0.0))
     prompts, responses = [[5, 6, 7], [8, 9], [5, 6, 7], [8, 9]], [[1, 2], [3, 4, 1], [2, 2, 2], [1]]

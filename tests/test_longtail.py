@@ -7,8 +7,15 @@ import statistics
 
 import pytest
 
-from rl_specdec.environments import make_task
-from rl_specdec.environments.longtail import BUDGET_MAX, BUDGET_MIN, LongTailSortTask, countdown, draw_budget, reference_response
+from rl_specdec.tasks import make_task
+from rl_specdec.tasks.longtail import (
+    BUDGET_MAX,
+    BUDGET_MIN,
+    LongTailSortTask,
+    countdown,
+    draw_budget,
+    reference_response,
+)
 
 
 def test_score_wants_a_whole_countdown_then_the_answer():
@@ -57,19 +64,25 @@ def test_tokenizer_has_one_token_per_countdown_number():
 def test_longtail_pair_samples_heavy_tailed_lengths(local_ray):
     """The built pair on a real engine: sampled lengths have a long tail, rollouts score, the drafter is accepted."""
     from conftest import draft_spec, start_engine
-    from rl_specdec.generation import SamplingSettings
-    from rl_specdec.spec_decode import compute_spec_decode_metrics
+    from rl_specdec.metrics import compute_spec_decode_metrics
+    from rl_specdec.rollout import SamplingSettings
     from rl_specdec.toy.longtail import build_longtail_models, build_longtail_tokenizer
 
     toy, tok, task = build_longtail_models(log=lambda *_: None), build_longtail_tokenizer(), LongTailSortTask()
     samples = task.make_batch(seed=1, n=16)
     g = start_engine(toy.policy, draft_spec(toy.drafter, k=4), max_model_len=512, kv_cache_memory_bytes=1 << 30)
     try:
-        out = g.generate([tok.encode(s.prompt) for s in samples for _ in range(8)], SamplingSettings(max_tokens=448, temperature=1.0, seed=0))
+        out = g.generate(
+            [tok.encode(s.prompt) for s in samples for _ in range(8)],
+            SamplingSettings(max_tokens=448, temperature=1.0, seed=0),
+        )
     finally:
         g.shutdown()
     lengths = [len(t) for t in out.token_ids]  # [128]
     assert max(lengths) >= 4 * statistics.median(lengths), sorted(lengths)
-    rewards = [task.score(tok.decode(t, skip_special_tokens=True), s.answer, r == "stop").reward for t, s, r in zip(out.token_ids, [s for s in samples for _ in range(8)], out.finish_reasons)]
+    rewards = [
+        task.score(tok.decode(t, skip_special_tokens=True), s.answer, r == "stop").reward
+        for t, s, r in zip(out.token_ids, [s for s in samples for _ in range(8)], out.finish_reasons)
+    ]
     assert 0.05 < statistics.fmean(rewards) < 0.95, "the SFT should leave room for RL (some right, some wrong)"
     assert compute_spec_decode_metrics(None, out.spec_counters)["spec_decode/acceptance_rate"] > 0.6

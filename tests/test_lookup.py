@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from rl_specdec.environments.lookup import KEYS, LookupTask, model_tool_call
+from rl_specdec.tasks.lookup import KEYS, LookupTask, model_tool_call
 from rl_specdec.toy.tools import ToolToyConfig, _SftBatches, build_tool_tokenizer, sft_example
 
 

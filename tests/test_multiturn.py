@@ -25,10 +25,11 @@ from conftest import (
     draft_spec,
     position_test,
 )
-from rl_specdec.generation import GenerationConfig, SamplingSettings, validate_vllm_kwargs
+from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
 from rl_specdec.errors import SleepNotSupported
-from rl_specdec.spec_decode import compute_spec_decode_metrics
-from rl_specdec.spec_decode.counters import NAMES
+from rl_specdec.metrics import compute_spec_decode_metrics
+from rl_specdec.metrics.counters import NAMES
+from rl_specdec.rollout import SamplingSettings
 from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE
 
 pytestmark = pytest.mark.integration
@@ -36,13 +37,16 @@ pytestmark = pytest.mark.integration
 MODEL_NAME = "toy-policy"
 HTTP_TIMEOUT = 120.0  # per request, seconds: a bound, not an assertion
 GREEDY = SamplingSettings(max_tokens=30, temperature=0.0)
+SPEC_K = 3  # the server engine's drafted tokens per step
 
 
 @pytest.fixture(scope="module")
 def srv(request, local_ray, toy):
-    from rl_specdec.generation.group import AsyncVllmGeneration
+    from rl_specdec.rollout.group import AsyncVllmGeneration
 
-    kw = validate_vllm_kwargs({**CPU_VLLM_KWARGS, "speculative_config": draft_spec(toy.drafter)}, str(toy.policy))
+    kw = validate_vllm_kwargs(
+        {**CPU_VLLM_KWARGS, "speculative_config": draft_spec(toy.drafter, SPEC_K)}, str(toy.policy)
+    )
     cfg = GenerationConfig(num_engines=1, cpus_per_engine=HOST_CORES, vllm_kwargs=kw, self_check=False)
     g = AsyncVllmGeneration(
         str(toy.policy), cfg, server={"chat_template": TOY_CHAT_TEMPLATE, "served_model_name": MODEL_NAME}
@@ -133,7 +137,11 @@ def test_generate_async_yields_each_sample_when_it_finishes(srv, tokenizer):
     p = tokenizer.encode("31415=")
     stream = w.generate_async.options(num_returns="streaming").remote(
         [p, p, p],
-        [SamplingSettings(max_tokens=60, temperature=0.0), SamplingSettings(max_tokens=2, temperature=0.0), SamplingSettings(max_tokens=60, temperature=1.0, seed=7)],
+        [
+            SamplingSettings(max_tokens=60, temperature=0.0),
+            SamplingSettings(max_tokens=2, temperature=0.0),
+            SamplingSettings(max_tokens=60, temperature=1.0, seed=7),
+        ],
         10,
         [{"ignore_eos": True}, {}, {"ignore_eos": True}],
     )
@@ -177,7 +185,12 @@ def test_64_concurrent_chat_requests_are_all_answered(srv, url, task_prompts, to
 
     async def main():
         async with AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT) as client:
-            reqs = [client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": p}], max_tokens=30, temperature=0) for p in prompts]
+            reqs = [
+                client.chat.completions.create(
+                    model=MODEL_NAME, messages=[{"role": "user", "content": p}], max_tokens=30, temperature=0
+                )
+                for p in prompts
+            ]
             return await asyncio.wait_for(asyncio.gather(*reqs), timeout=4 * HTTP_TIMEOUT)
 
     responses = asyncio.run(main())
@@ -197,14 +210,28 @@ def test_temperature_one_samples_through_the_server_follow_the_batch_api(srv, ur
 
     async def main():
         async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as client:
-            body = {"model": MODEL_NAME, "prompt": DIST_PROMPT, "max_tokens": DIST_TOKENS, "temperature": 1.0, "n": 8, "return_token_ids": True}
-            return await asyncio.wait_for(asyncio.gather(*(client.post(url + "/completions", json=body) for _ in range(DIST_SAMPLES // 8))), 4 * HTTP_TIMEOUT)
+            body = {
+                "model": MODEL_NAME,
+                "prompt": DIST_PROMPT,
+                "max_tokens": DIST_TOKENS,
+                "temperature": 1.0,
+                "n": 8,
+                "return_token_ids": True,
+            }
+            return await asyncio.wait_for(
+                asyncio.gather(*(client.post(url + "/completions", json=body) for _ in range(DIST_SAMPLES // 8))),
+                4 * HTTP_TIMEOUT,
+            )
 
     responses = asyncio.run(main())
     assert all(r.status_code == 200 for r in responses)
     served = [c["token_ids"] for r in responses for c in r.json()["choices"]]
-    assert len(served) == DIST_SAMPLES and responses[0].json()["choices"][0]["prompt_token_ids"] == tokenizer.encode(DIST_PROMPT)
-    assert len({tuple(s) for s in served}) > DIST_SAMPLES // 4, "the server's samples are not random (temperature ignored?)"
+    assert len(served) == DIST_SAMPLES and responses[0].json()["choices"][0]["prompt_token_ids"] == tokenizer.encode(
+        DIST_PROMPT
+    )
+    assert len({tuple(s) for s in served}) > DIST_SAMPLES // 4, (
+        "the server's samples are not random (temperature ignored?)"
+    )
     p, per_pos = position_test(dist_samples(srv, tokenizer, seed=5000), served)
     assert p > 1e-3, f"the server's samples differ from the batch API's (adjusted p={p:.2e}; per position {per_pos})"
 
@@ -231,12 +258,22 @@ def _stream_chat(url, body):
 def test_streaming_chat_gives_what_the_full_response_gives(url):
     from openai import OpenAI
 
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "9081726354"}], "max_tokens": 20, "temperature": 0}
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "9081726354"}],
+        "max_tokens": 20,
+        "temperature": 0,
+    }
     full = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT).chat.completions.create(**body)
     m = full.choices[0].message.to_dict()
     text, ids, lps, prompt, finish, usage, chunks = _stream_chat(url, body)
     assert chunks > 3, "not streamed"
-    assert (text, ids, prompt, finish) == (m["content"], m["generation_token_ids"], m["prompt_token_ids"], full.choices[0].finish_reason)
+    assert (text, ids, prompt, finish) == (
+        m["content"],
+        m["generation_token_ids"],
+        m["prompt_token_ids"],
+        full.choices[0].finish_reason,
+    )
     assert len(lps) == len(ids) and usage["completion_tokens"] == len(ids)
 
 
@@ -244,25 +281,39 @@ def test_streaming_completions_give_what_the_full_response_gives(url):
     from openai import OpenAI
 
     client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT)
-    body = {"model": MODEL_NAME, "prompt": "9081726354=", "max_tokens": 20, "temperature": 0, "extra_body": {"return_token_ids": True}}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "9081726354=",
+        "max_tokens": 20,
+        "temperature": 0,
+        "extra_body": {"return_token_ids": True},
+    }
     full = client.completions.create(**body).model_dump()["choices"][0]
-    text, ids, chunks = "", [], 0
+    text, ids, per_chunk = "", [], []
     for ch in client.completions.create(**body, stream=True):
-        chunks += 1
         for c in ch.model_dump()["choices"]:
             text += c.get("text") or ""
             ids += c.get("token_ids") or []
-    assert chunks > 3 and text == full["text"] and ids == full["token_ids"] and len(ids) > 3
+            per_chunk.append(len(c.get("token_ids") or []))
+    assert text == full["text"] and ids == full["token_ids"] and len(ids) > 3
+    # Streaming sends what each engine step emitted: a step emits at most k + 1 tokens per request
+    # (k drafts and the bonus token), so there is at least one chunk per k + 1 tokens.
+    k = SPEC_K
+    assert max(per_chunk) <= k + 1 and sum(1 for n in per_chunk if n) >= -(-len(ids) // (k + 1)), per_chunk
 
 
 def test_stop_strings(url, tokenizer):
     from openai import OpenAI
 
     client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT)
-    r = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "9081726354"}], max_tokens=20, temperature=0, stop=["5"])
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "9081726354"}], max_tokens=20, temperature=0, stop=["5"]
+    )
     c = r.model_dump()["choices"][0]
     assert c["message"]["content"] == "01234" and c["finish_reason"] == "stop" and c["stop_reason"] == "5"
-    assert tokenizer.decode(c["message"]["generation_token_ids"]) == "012345"  # the ids run up to and include the stop string
+    assert (
+        tokenizer.decode(c["message"]["generation_token_ids"]) == "012345"
+    )  # the ids run up to and include the stop string
     r = client.completions.create(model=MODEL_NAME, prompt="9081726354=", max_tokens=20, temperature=0, stop=["3"])
     assert r.choices[0].text == "012" and r.choices[0].finish_reason == "stop"
 
@@ -272,10 +323,27 @@ def test_structured_outputs_under_speculation(url):
 
     client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT)
     msgs = [{"role": "user", "content": "9081726354"}]
-    rf = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 700, "maximum": 799}}}
-    txt = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=8, seed=5, response_format=rf).choices[0].message.content
+    rf = {
+        "type": "json_schema",
+        "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 700, "maximum": 799}},
+    }
+    txt = (
+        client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=8, seed=5, response_format=rf)
+        .choices[0]
+        .message.content
+    )
     assert txt.isdigit() and 700 <= int(txt) <= 799, txt  # the sorted answer would start with 0
-    txt = client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=8, seed=5, extra_body={"structured_outputs": {"regex": "9[0-9]9"}}).choices[0].message.content
+    txt = (
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=msgs,
+            max_tokens=8,
+            seed=5,
+            extra_body={"structured_outputs": {"regex": "9[0-9]9"}},
+        )
+        .choices[0]
+        .message.content
+    )
     assert len(txt) == 3 and txt[0] == txt[2] == "9", txt
 
 
@@ -314,10 +382,18 @@ def test_three_turn_conversation_keeps_the_models_tokens(url, tokenizer):
     assert final[len(turn2)] == tokenizer.eos_token_id  # the template closes the truncated turn
     assert final[len(turn2) + 1 :] == tokenizer.encode("9=")
     root = url.removesuffix("/v1")
-    t = httpx.post(root + "/tokenize", json={"model": MODEL_NAME, "messages": history, "add_generation_prompt": True}, timeout=HTTP_TIMEOUT)
+    t = httpx.post(
+        root + "/tokenize",
+        json={"model": MODEL_NAME, "messages": history, "add_generation_prompt": True},
+        timeout=HTTP_TIMEOUT,
+    )
     assert t.json()["tokens"] == final
     plain = [{"role": m["role"], "content": m["content"]} for m in history]  # without the ids: the template's rendering
-    t = httpx.post(root + "/tokenize", json={"model": MODEL_NAME, "messages": plain, "add_generation_prompt": True}, timeout=HTTP_TIMEOUT)
+    t = httpx.post(
+        root + "/tokenize",
+        json={"model": MODEL_NAME, "messages": plain, "add_generation_prompt": True},
+        timeout=HTTP_TIMEOUT,
+    )
     assert t.json()["tokens"] != final
 
 
@@ -327,7 +403,9 @@ def test_short_request_is_answered_while_a_long_one_runs(url):
     async def main():
         async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as client:
             body = {"model": MODEL_NAME, "prompt": "31415=", "temperature": 0, "return_token_ids": True}
-            long = asyncio.ensure_future(client.post(url + "/completions", json={**body, "max_tokens": 60, "ignore_eos": True}))
+            long = asyncio.ensure_future(
+                client.post(url + "/completions", json={**body, "max_tokens": 60, "ignore_eos": True})
+            )
             await asyncio.sleep(0)  # the long request goes out first
             short = await client.post(url + "/completions", json={**body, "max_tokens": 2})
             long_done_first = long.done()
@@ -371,7 +449,10 @@ def test_the_openai_client_sees_unknown_and_unhonoured_fields_refused(url):
         with pytest.raises(openai.BadRequestError, match=name):
             client.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=3, extra_body=extra)
     ok = client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "31", "annotations": None}], max_tokens=5, temperature=1.0,
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "31", "annotations": None}],
+        max_tokens=5,
+        temperature=1.0,
         extra_body={"top_k": 3, "min_tokens": 1, "repetition_penalty": 1.0},
     )
     assert ok.choices[0].finish_reason in ("stop", "length") and ok.choices[0].message.to_dict()["generation_token_ids"]
@@ -381,18 +462,44 @@ BAD_REQUESTS = [
     ("/chat/completions", b"{not json", 400),
     ("/chat/completions", {"model": MODEL_NAME}, 400),  # no messages
     ("/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "1"}]}, 400),
-    ("/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "system", "content": "1"}]}, 400),  # template refuses
-    ("/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "1"}], "temperature": "hot"}, 400),
-    ("/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "1"}], "logprobs": True, "top_logprobs": 50}, 400),
-    ("/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "1"}]}, 404),
     (
         "/chat/completions",
-        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "1"}, {"role": "assistant", "content": "1", "prompt_token_ids": [3, 12]}, {"role": "user", "content": "2"}]},
+        {"model": MODEL_NAME, "messages": [{"role": "system", "content": "1"}]},
+        400,
+    ),  # template refuses
+    (
+        "/chat/completions",
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "1"}], "temperature": "hot"},
         400,
     ),
     (
         "/chat/completions",
-        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "1"}, {"role": "assistant", "content": "1", "prompt_token_ids": [3, 12], "generation_token_ids": [3, 99999]}, {"role": "user", "content": "2"}]},
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "1"}], "logprobs": True, "top_logprobs": 50},
+        400,
+    ),
+    ("/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "1"}]}, 404),
+    (
+        "/chat/completions",
+        {
+            "model": MODEL_NAME,
+            "messages": [
+                {"role": "user", "content": "1"},
+                {"role": "assistant", "content": "1", "prompt_token_ids": [3, 12]},
+                {"role": "user", "content": "2"},
+            ],
+        },
+        400,
+    ),
+    (
+        "/chat/completions",
+        {
+            "model": MODEL_NAME,
+            "messages": [
+                {"role": "user", "content": "1"},
+                {"role": "assistant", "content": "1", "prompt_token_ids": [3, 12], "generation_token_ids": [3, 99999]},
+                {"role": "user", "content": "2"},
+            ],
+        },
         400,
     ),
     ("/completions", {"model": MODEL_NAME, "prompt": 5}, 400),
@@ -408,7 +515,11 @@ def _client_errors(url: str) -> int:
     import httpx
 
     text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=HTTP_TIMEOUT).text
-    return sum(int(float(ln.rsplit(" ", 1)[1])) for ln in text.splitlines() if ln.startswith("http_requests_total{") and 'status="4xx"' in ln)
+    return sum(
+        int(float(ln.rsplit(" ", 1)[1]))
+        for ln in text.splitlines()
+        if ln.startswith("http_requests_total{") and 'status="4xx"' in ln
+    )
 
 
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(url):
@@ -421,7 +532,11 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(url):
         assert r.json()["error"]["message"], (path, body)
     r = httpx.post(url + "/nowhere", json={}, timeout=HTTP_TIMEOUT)
     assert r.status_code == 404
-    ok = _post(url, "/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "31415"}], "max_tokens": 30, "temperature": 0})
+    ok = _post(
+        url,
+        "/chat/completions",
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "31415"}], "max_tokens": 30, "temperature": 0},
+    )
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
     assert _client_errors(url) - before >= len(BAD_REQUESTS)
 
@@ -446,7 +561,7 @@ def test_refit_changes_what_the_engine_generates(srv, toy, tokenizer):
 
 def test_failed_async_start_leaves_nothing_behind(srv, toy):
     """As for the synchronous group: a failed start releases its actor and its placement group."""
-    from rl_specdec.generation.group import AsyncVllmGeneration
+    from rl_specdec.rollout.group import AsyncVllmGeneration
 
     kw = validate_vllm_kwargs({**CPU_VLLM_KWARGS, "max_model_len": 4096}, str(toy.policy))  # > the toy's 128 positions
     cfg = GenerationConfig(num_engines=1, cpus_per_engine=1, vllm_kwargs=kw, self_check=False)

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from conftest import actor_states, wait_until
-from rl_specdec.algorithms import ClippedPGLoss
-from rl_specdec.algorithms.batch import Trajectory, build_train_batch
 from rl_specdec.config import PolicyConfig, load_config
+from rl_specdec.grpo import ClippedPGLoss
+from rl_specdec.grpo.batch import Trajectory, build_train_batch
 from rl_specdec.policy import PolicyGroup, PolicyWorker, PolicyWorkerDied
 
 pytestmark = pytest.mark.integration
@@ -45,9 +45,11 @@ def make_batch(tokenizer, seed: int, n: int = 7) -> dict[str, torch.Tensor]:
     for _ in range(n):
         digits = torch.randint(0, 10, (int(torch.randint(3, 15, (1,), generator=g)),), generator=g).tolist()
         prompts.append(tokenizer.encode("".join(map(str, digits)) + "="))
-        responses.append(tokenizer.encode("".join(map(str, sorted(digits)))[: len(digits) // 2 + 1]) + [tokenizer.eos_token_id])
+        responses.append(
+            tokenizer.encode("".join(map(str, sorted(digits)))[: len(digits) // 2 + 1]) + [tokenizer.eos_token_id]
+        )
     lp = [(-0.5 - torch.rand(len(r), generator=g)).tolist() for r in responses]
-    trajectories = [Trajectory.single_turn(p, r, l) for p, r, l in zip(prompts, responses, lp)]
+    trajectories = [Trajectory.single_turn(p, r, lps) for p, r, lps in zip(prompts, responses, lp)]
     return build_train_batch(trajectories, torch.randn(n, generator=g), tokenizer.pad_token_id)
 
 
@@ -93,7 +95,14 @@ def reference(toy, tokenizer, tmp_path_factory):
     before = snapshot(w)
     logprobs = w.get_logprobs(batch)
     metrics = w.train_step(batch, LOSS)
-    return {"initial": str(initial), "batch": batch, "before": before, "logprobs": logprobs, "metrics": metrics, "after": snapshot(w)}
+    return {
+        "initial": str(initial),
+        "batch": batch,
+        "before": before,
+        "logprobs": logprobs,
+        "metrics": metrics,
+        "after": snapshot(w),
+    }
 
 
 BUCKET = 300_000  # refit bucket bytes: the toy's 3M parameters come in many buckets
@@ -101,13 +110,16 @@ GROUPS = {
     # FSDP2, both workers wherever Ray puts them (they reserve nothing)
     "fsdp2": dict(num_workers=2, strategy="fsdp2", refit_bucket_bytes=BUCKET),
     # DDP, one worker on each node of the two-node cluster
-    "ddp across nodes": dict(num_workers=2, strategy="ddp", cpus_per_worker=1, placement_strategy="STRICT_SPREAD", refit_bucket_bytes=BUCKET),
+    "ddp across nodes": dict(
+        num_workers=2, strategy="ddp", cpus_per_worker=1, placement_strategy="STRICT_SPREAD", refit_bucket_bytes=BUCKET
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def group(cluster, toy):
-    """``group(name)``: a started 2-worker group of ``GROUPS``, shared by the module's tests (a new one if it was stopped)."""
+    """``group(name)``: a started 2-worker group of ``GROUPS``, shared by the module's tests (a new one if it
+    was stopped)."""
     live: dict[str, PolicyGroup] = {}
 
     def get(name: str) -> PolicyGroup:
@@ -127,7 +139,17 @@ def assert_same_step(group: PolicyGroup, reference) -> dict:
     group.load_checkpoint(reference["initial"])
     assert torch.allclose(group.get_logprobs(reference["batch"]), reference["logprobs"], atol=1e-5)
     metrics = group.train_step(reference["batch"], LOSS)
-    for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "logprob_mismatch", "logprob_mismatch_max", "ratio_error", "clip_fraction"):
+    for k in (
+        "loss",
+        "pg_loss",
+        "kl",
+        "entropy",
+        "grad_norm",
+        "logprob_mismatch",
+        "logprob_mismatch_max",
+        "ratio_error",
+        "clip_fraction",
+    ):
         assert metrics[k] == pytest.approx(reference["metrics"][k], rel=1e-4, abs=1e-6), k
     after = ray.get(group.state_dict_for_refit())
     assert max_diff(after, reference["after"]) < TOL
@@ -169,7 +191,9 @@ def test_checkpoints_move_between_worker_counts(group, toy, tokenizer, tmp_path)
     two = group("fsdp2")
     two.load_checkpoint(str(tmp_path / "by_one"))
     assert two.train_step(b2, LOSS)["loss"] == pytest.approx(m2["loss"], rel=1e-4)
-    assert max_diff(ray.get(two.state_dict_for_refit()), after2) < TOL  # Adam's moments came along: a fresh Adam steps differently
+    assert (
+        max_diff(ray.get(two.state_dict_for_refit()), after2) < TOL
+    )  # Adam's moments came along: a fresh Adam steps differently
     two.save_checkpoint(str(tmp_path / "by_two"))
     again = started(toy.policy)
     again.load_checkpoint(str(tmp_path / "by_two"))
@@ -194,8 +218,12 @@ def test_dead_worker_is_named_and_the_checkpoint_survives(group, toy, reference,
     rank1, ids = g.nodes[1], [w._actor_id.hex() for w in g.workers]
     with pytest.raises(PolicyWorkerDied, match=rf"rank 1 \(node {rank1['ip']}, id \w+, pid {rank1['pid']}\) died"):
         g.train_step(reference["batch"], DieOnRank1())
-    assert g.workers == [] and g.pg is None  # the survivor, maybe waiting in a collective for its dead peer, was stopped too
-    assert wait_until(lambda: all(actor_states("PolicyWorker").get(i) == "DEAD" for i in ids)), actor_states("PolicyWorker")
+    assert (
+        g.workers == [] and g.pg is None
+    )  # the survivor, maybe waiting in a collective for its dead peer, was stopped too
+    assert wait_until(lambda: all(actor_states("PolicyWorker").get(i) == "DEAD" for i in ids)), actor_states(
+        "PolicyWorker"
+    )
     # the checkpoint written before the failure is whole: one worker resumes from it
     w = started(toy.policy)
     w.load_checkpoint(str(tmp_path / "ckpt"))
@@ -219,16 +247,20 @@ SMALL = [
 
 
 def test_grpo_with_two_workers_matches_one(cluster, tmp_path):
-    from rl_specdec.algorithms.grpo import train
+    from rl_specdec.grpo.loop import train
 
     rows = {}
     for n in (1, 2):
-        cfg = load_config(ROOT / "configs/grpo_spec.yaml", SMALL + [f"logger.log_dir={tmp_path / str(n)}", f"policy.num_workers={n}"])
+        cfg = load_config(
+            ROOT / "configs/grpo_spec.yaml", SMALL + [f"logger.log_dir={tmp_path / str(n)}", f"policy.num_workers={n}"]
+        )
         train(cfg, progress=False)
         rows[n] = [json.loads(line) for line in (tmp_path / str(n) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows[2]] == [r["step"] for r in rows[1]] == [1, 2]
     for a, b in zip(rows[1], rows[2]):
-        assert max(a["train/logprob_mismatch"], b["train/logprob_mismatch"]) < 1e-4  # on-policy (fp32, ~1e-7): the refit reached the engine
+        assert (
+            max(a["train/logprob_mismatch"], b["train/logprob_mismatch"]) < 1e-4
+        )  # on-policy (fp32, ~1e-7): the refit reached the engine
         assert b["generation/num_tokens"] == a["generation/num_tokens"]  # same rollouts: the refit weights agree
         assert b["train/reward_mean"] == a["train/reward_mean"]
         for k in ("train/loss", "train/kl", "train/entropy", "train/grad_norm", "train/logprob_mismatch"):

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rl_specdec.generation import PrefixSpliceError, replace_prefix_tokens
+from rl_specdec.errors import PrefixSpliceError
+from rl_specdec.rollout import replace_prefix_tokens
 
 TOK2 = SimpleNamespace(eos_token_id=2)  # the seed document's example uses eos = 2
 
@@ -22,7 +23,20 @@ def test_seed_document_example():
     model_prefix = [11, 12, 13, 40, 41, 220, 17, 2]
     template_prefix = [11, 12, 13, 40, 41, 1001, 2]
     template = [11, 12, 13, 40, 41, 1001, 2, 21, 22, 40, 41]
-    assert replace_prefix_tokens(TOK2, model_prefix, template_prefix, template) == [11, 12, 13, 40, 41, 220, 17, 2, 21, 22, 40, 41]
+    assert replace_prefix_tokens(TOK2, model_prefix, template_prefix, template) == [
+        11,
+        12,
+        13,
+        40,
+        41,
+        220,
+        17,
+        2,
+        21,
+        22,
+        40,
+        41,
+    ]
 
 
 def test_first_turn_returns_the_template():

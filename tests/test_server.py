@@ -1,6 +1,6 @@
 """The server glue without an engine (seconds): the vLLM hooks it relies on, its config, its field checks.
 
-A vLLM upgrade that moves what rl_specdec/generation/server.py overrides must
+A vLLM upgrade that moves what rl_specdec/vllm_ext/openai_app.py overrides must
 fail here, before any engine test runs. The behaviour through a running
 server is tested in test_multiturn.py (digit toy) and test_agent.py (tools).
 """
@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import pytest
 
+from rl_specdec.config.serving import ServerConfig, check_reasoning_parser
 from rl_specdec.errors import ConfigError
-from rl_specdec.generation import server as srv
+from rl_specdec.vllm_ext import openai_app as srv
 
 
 def test_hooks_are_where_we_expect_them():
-    srv.check_vllm_hooks()  # signatures of OnlineRenderer.preprocess_chat/_completion, OpenAIServingChat.*
+    """OnlineRenderer.preprocess_chat/_completion and OpenAIServingChat's two methods have the signatures we
+    override."""
+    from rl_specdec import vllm_ext
+
+    vllm_ext.probe_failures.cache_clear()
+    assert vllm_ext.probe_failures("server") == ()
 
 
 def test_hook_check_fails_when_a_hook_moves(monkeypatch):
@@ -56,7 +62,13 @@ def test_app_state_wires_one_renderer_into_every_handler():
 def test_rl_fields_survive_vllm_request_schema():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    m = {"role": "assistant", "content": "12", "prompt_token_ids": [5, 3], "generation_token_ids": [3, 1], "generation_log_probs": [-0.1, -0.2]}
+    m = {
+        "role": "assistant",
+        "content": "12",
+        "prompt_token_ids": [5, 3],
+        "generation_token_ids": [3, 1],
+        "generation_log_probs": [-0.1, -0.2],
+    }
     r = ChatCompletionRequest.model_validate({"model": "x", "messages": [{"role": "user", "content": "21"}, m]})
     assert r.messages[1] == m  # TypedDict messages keep unknown keys whole
 
@@ -78,7 +90,9 @@ def test_unknown_fields_are_found_with_their_paths():
         }
     )
     assert sorted(srv.unknown_fields(r)) == ["frob", "messages[0].foo", "stream_options.zzz"]
-    ok = ChatCompletionRequest.model_validate({"model": "x", "messages": [{"role": "user", "content": "1"}], "top_k": 5, "return_token_ids": True})
+    ok = ChatCompletionRequest.model_validate(
+        {"model": "x", "messages": [{"role": "user", "content": "1"}], "top_k": 5, "return_token_ids": True}
+    )
     assert srv.unknown_fields(ok) == []
     assert srv.unknown_fields(CompletionRequest.model_validate({"model": "x", "prompt": "1", "frob": 1})) == ["frob"]
 
@@ -88,7 +102,9 @@ def test_tools_with_strict_are_known():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
-    r = ChatCompletionRequest.model_validate({"model": "x", "messages": [{"role": "user", "content": "1"}], "tools": [tool]})
+    r = ChatCompletionRequest.model_validate(
+        {"model": "x", "messages": [{"role": "user", "content": "1"}], "tools": [tool]}
+    )
     assert srv.unknown_fields(r) == []
 
 
@@ -122,39 +138,55 @@ def test_a_half_token_record_is_refused():
 )
 def test_server_config_errors_name_the_key(kw, msg):
     with pytest.raises(ConfigError, match=msg):
-        srv.ServerConfig.from_dict(kw)
+        ServerConfig.from_dict(kw)
 
 
 def test_server_binds_loopback_only_by_default():
     for host in ("127.0.0.1", "localhost", "::1"):
-        srv.ServerConfig(host=host).check()
-    srv.ServerConfig(host="0.0.0.0", allow_remote=True).check()
+        assert ServerConfig(host=host).check() is None
+    for host in ("0.0.0.0", "192.168.1.5", "::", "example.org"):
+        with pytest.raises(ConfigError, match=f"server.host '{host}' is not a loopback address.*allow_remote"):
+            ServerConfig(host=host).check()
+    assert ServerConfig(host="0.0.0.0", allow_remote=True).check() is None
 
 
 def test_serve_args():
-    cfg = srv.ServerConfig(chat_template="{{ messages }}", served_model_name="toy", tool_call_parser="hermes", enable_auto_tool_choice=True, api_key="k")
+    cfg = ServerConfig(
+        chat_template="{{ messages }}",
+        served_model_name="toy",
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
+        api_key="k",
+    )
     cfg.check()
     a = srv.serve_args("/m", cfg)
-    assert a.served_model_name == ["toy"] and a.tool_call_parser == "hermes" and a.enable_auto_tool_choice and a.api_key == ["k"]
+    assert (
+        a.served_model_name == ["toy"]
+        and a.tool_call_parser == "hermes"
+        and a.enable_auto_tool_choice
+        and a.api_key == ["k"]
+    )
     assert a.model == "/m" and a.disable_log_stats and a.chat_template == "{{ messages }}"
     with pytest.raises(ConfigError, match="differs from the engine"):
-        srv.serve_args("/m", srv.ServerConfig(reasoning_parser="deepseek_r1"), engine_reasoning_parser="qwen3")
+        check_reasoning_parser(ServerConfig(reasoning_parser="deepseek_r1"), "qwen3")
 
 
 def test_group_refuses_a_reasoning_parser_that_differs_from_the_engines():
     """Before any actor starts (no Ray needed: the check comes first)."""
-    from rl_specdec.generation import GenerationConfig
-    from rl_specdec.generation.group import AsyncVllmGeneration
+    from rl_specdec.config import GenerationConfig
+    from rl_specdec.rollout.group import AsyncVllmGeneration
 
-    cfg = GenerationConfig(num_engines=1, cpus_per_engine=1, vllm_kwargs={"reasoning_parser": "qwen3"}, self_check=False)
+    cfg = GenerationConfig(
+        num_engines=1, cpus_per_engine=1, vllm_kwargs={"reasoning_parser": "qwen3"}, self_check=False
+    )
     with pytest.raises(ConfigError, match="server.reasoning_parser 'deepseek_r1' differs"):
         AsyncVllmGeneration("/no/model", cfg, server={"reasoning_parser": "deepseek_r1"})
 
 
 def test_extra_args_refuse_engine_flags():
-    assert srv.serve_args("/m", srv.ServerConfig(extra_args=["--return-tokens-as-token-ids"])).return_tokens_as_token_ids
+    assert srv.serve_args("/m", ServerConfig(extra_args=["--return-tokens-as-token-ids"])).return_tokens_as_token_ids
     with pytest.raises(ConfigError, match="sets engine arguments"):
-        srv.serve_args("/m", srv.ServerConfig(extra_args=["--max-model-len", "64"]))
+        srv.serve_args("/m", ServerConfig(extra_args=["--max-model-len", "64"]))
 
 
 def test_fields_vllm_ignores_under_speculation_are_refused():

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from rl_specdec.generation import ConfigError, validate_vllm_kwargs
-from rl_specdec.generation.spec_config import DRAFTER_METHODS, vllm_mtp_methods, vllm_speculative_methods
+from rl_specdec.config import ConfigError, validate_vllm_kwargs
+from rl_specdec.config.vllm_kwargs import DRAFTER_METHODS
+from rl_specdec.vllm_ext.declarations import mtp_methods as vllm_mtp_methods
+from rl_specdec.vllm_ext.declarations import speculative_methods as vllm_speculative_methods
 
 KEY = "policy.generation.vllm_kwargs"
 SPEC_KEY = f"{KEY}.speculative_config"
@@ -16,7 +18,9 @@ SPEC_KEY = f"{KEY}.speculative_config"
 def _model_dir(path, vocab_size):
     """A model folder with only a config.json (enough for the vocabulary check)."""
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": vocab_size}))
+    (path / "config.json").write_text(
+        json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": vocab_size})
+    )
     return str(path)
 
 
@@ -51,7 +55,9 @@ def test_missing_method(policy):
 @pytest.mark.parametrize("k", [0, -2])
 def test_num_speculative_tokens_below_one(policy, k):
     with pytest.raises(ConfigError, match=rf"{SPEC_KEY}\.num_speculative_tokens={k} must be >= 1"):
-        validate({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}, policy)
+        validate(
+            {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}, policy
+        )
 
 
 def test_num_speculative_tokens_missing(policy):
@@ -87,7 +93,9 @@ def test_drafter_vocab_from_text_config(policy, tmp_path):
 
 def test_synthetic_rejection_sampling_refused_in_training(policy):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic"}
-    with pytest.raises(ConfigError, match=rf"{SPEC_KEY}\.rejection_sample_method='synthetic' .* must not be used for training"):
+    with pytest.raises(
+        ConfigError, match=rf"{SPEC_KEY}\.rejection_sample_method='synthetic' .* must not be used for training"
+    ):
         validate(spec, policy)
     # allowed when validating for a benchmark, not a training run
     out = validate_vllm_kwargs({"speculative_config": spec}, policy, training=False)
@@ -119,13 +127,17 @@ def test_gpu_memory_utilization_range(policy, gmu):
 
 def test_async_scheduling_with_ngram(policy):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    with pytest.raises(ConfigError, match=r"vllm_kwargs\.async_scheduling=true cannot be combined with .*method='ngram'"):
+    with pytest.raises(
+        ConfigError, match=r"vllm_kwargs\.async_scheduling=true cannot be combined with .*method='ngram'"
+    ):
         validate(spec, policy, async_scheduling=True)
     validate(spec, policy, async_scheduling=False)  # fine
 
 
 def test_async_scheduling_with_draft_model_is_fine(policy, drafter):
-    out = validate({"method": "draft_model", "model": drafter, "num_speculative_tokens": 3}, policy, async_scheduling=True)
+    out = validate(
+        {"method": "draft_model", "model": drafter, "num_speculative_tokens": 3}, policy, async_scheduling=True
+    )
     assert out["async_scheduling"] is True
 
 
@@ -170,7 +182,9 @@ def test_probabilistic_drafting_is_the_default(policy, drafter, method):
     out = validate({"method": method, "model": drafter, "num_speculative_tokens": 3}, policy)
     assert out["speculative_config"]["draft_sample_method"] == "probabilistic"
     # an explicit choice is kept
-    out = validate({"method": method, "model": drafter, "num_speculative_tokens": 3, "draft_sample_method": "greedy"}, policy)
+    out = validate(
+        {"method": method, "model": drafter, "num_speculative_tokens": 3, "draft_sample_method": "greedy"}, policy
+    )
     assert out["speculative_config"]["draft_sample_method"] == "greedy"
 
 
@@ -192,7 +206,9 @@ def test_draft_load_config_when_policy_is_dummy(policy, drafter):
     assert "draft_load_config" not in validate(ngram, policy, load_format="dummy")["speculative_config"]
     # an explicit draft_load_config is kept
     explicit = dict(spec, draft_load_config={"load_format": "safetensors"})
-    assert validate(explicit, policy, load_format="dummy")["speculative_config"]["draft_load_config"] == {"load_format": "safetensors"}
+    assert validate(explicit, policy, load_format="dummy")["speculative_config"]["draft_load_config"] == {
+        "load_format": "safetensors"
+    }
 
 
 def test_drafter_with_same_vocab_passes(policy, drafter):
@@ -207,7 +223,9 @@ def test_result_is_accepted_by_vllm_speculative_config_fields(policy, drafter):
     from vllm.config.speculative import SpeculativeConfig
 
     fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-    out = validate({"method": "draft_model", "model": drafter, "num_speculative_tokens": 3}, policy, load_format="dummy")
+    out = validate(
+        {"method": "draft_model", "model": drafter, "num_speculative_tokens": 3}, policy, load_format="dummy"
+    )
     assert set(out["speculative_config"]) <= fields
 
 
@@ -216,7 +234,14 @@ SCHED_KEY = f"{SPEC_KEY}.num_speculative_tokens_per_batch_size"
 
 
 def test_schedule_sets_k_to_its_largest_entry(policy, drafter):
-    out = validate({"method": "draft_model", "model": drafter, "num_speculative_tokens_per_batch_size": [[17, 1024, 0], [1, 16, 4]]}, policy)
+    out = validate(
+        {
+            "method": "draft_model",
+            "model": drafter,
+            "num_speculative_tokens_per_batch_size": [[17, 1024, 0], [1, 16, 4]],
+        },
+        policy,
+    )
     spec = out["speculative_config"]
     assert spec["num_speculative_tokens"] == 4
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 16, 4], [17, 1024, 0]]  # sorted by vLLM's parser
@@ -224,8 +249,20 @@ def test_schedule_sets_k_to_its_largest_entry(policy, drafter):
 
 def test_schedule_above_num_speculative_tokens_is_refused(policy, drafter):
     """vLLM would silently cap k=5 at 3; here it is an error naming the fix."""
-    with pytest.raises(ConfigError, match=rf"{SCHED_KEY} asks for k=5 but .*num_speculative_tokens=3 caps .*set {SPEC_KEY}\.num_speculative_tokens=5"):
-        validate({"method": "draft_model", "model": drafter, "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 8, 5], [9, 64, 3]]}, policy)
+    with pytest.raises(
+        ConfigError,
+        match=rf"{SCHED_KEY} asks for k=5 but .*num_speculative_tokens=3 caps "
+        rf".*set {SPEC_KEY}\.num_speculative_tokens=5",
+    ):
+        validate(
+            {
+                "method": "draft_model",
+                "model": drafter,
+                "num_speculative_tokens": 3,
+                "num_speculative_tokens_per_batch_size": [[1, 8, 5], [9, 64, 3]],
+            },
+            policy,
+        )
 
 
 @pytest.mark.parametrize(
@@ -246,5 +283,7 @@ def test_bad_schedule_names_the_key_and_the_form(policy, drafter, schedule, why)
 
 def test_null_keys_are_unset(policy):
     """After an override like method=suffix, model=null removes the drafter rather than failing."""
-    out = validate({"method": "suffix", "num_speculative_tokens": 3, "model": None, "draft_sample_method": None}, policy)
+    out = validate(
+        {"method": "suffix", "num_speculative_tokens": 3, "model": None, "draft_sample_method": None}, policy
+    )
     assert out["speculative_config"] == {"method": "suffix", "num_speculative_tokens": 3}

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 
 from conftest import DIST_PROMPT, DIST_TOKENS, dist_samples, draft_spec, hf_token_logprobs, module_engine, position_test
+from engine_debug import DebugAsyncVllmGeneration, DebugVllmGeneration
 from rl_specdec.errors import ConfigError
-from rl_specdec.generation import SamplingSettings
-from rl_specdec.spec_decode import compute_spec_decode_metrics
-from rl_specdec.spec_decode.counters import DRAFT_TOKENS, DRAFTS
+from rl_specdec.metrics import compute_spec_decode_metrics
+from rl_specdec.metrics.counters import DRAFT_TOKENS, DRAFTS
+from rl_specdec.rollout import SamplingSettings
 
 pytestmark = pytest.mark.integration
 
@@ -38,19 +39,23 @@ def eng_none(request, local_ray, toy):
 
 @pytest.fixture(scope="module")
 def eng_fixed(request, local_ray, toy):
-    return module_engine(request, toy, draft_spec(toy.drafter), control={"mode": "fixed"})
+    return module_engine(
+        request, toy, draft_spec(toy.drafter), control={"mode": "fixed"}, group_cls=DebugVllmGeneration
+    )
 
 
 @pytest.fixture(scope="module")
 def eng_adaptive(request, local_ray, toy):
-    return module_engine(request, toy, draft_spec(toy.drafter), control={"mode": "adaptive", "k_max": 4, "explore": 0.3})
+    return module_engine(
+        request, toy, draft_spec(toy.drafter), control={"mode": "adaptive", "k_max": 4, "explore": 0.3}
+    )
 
 
 @pytest.fixture(scope="module")
 def eng_async(request, local_ray, toy):
-    from rl_specdec.generation.group import AsyncVllmGeneration
-
-    return module_engine(request, toy, draft_spec(toy.drafter), control={"mode": "fixed"}, group_cls=AsyncVllmGeneration)
+    return module_engine(
+        request, toy, draft_spec(toy.drafter), control={"mode": "fixed"}, group_cls=DebugAsyncVllmGeneration
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +82,8 @@ def drafts_per_draft(out) -> float:
 
 @pytest.mark.parametrize("name", ["eng_fixed", "eng_async"])
 def test_a_k_set_at_run_time_takes_effect(request, name, task_prompts):
-    """Per-request counters: every draft of the call has exactly the k that was set; k=0 drafts nothing, all steps plain."""
+    """Per-request counters: every draft of the call has exactly the k that was set; k=0 drafts nothing, all
+    steps plain."""
     g = request.getfixturevalue(name)
     sampling = SamplingSettings(max_tokens=MAX_TOKENS, temperature=1.0, seed=4)
     try:
@@ -137,7 +143,9 @@ def test_temperature_one_with_k_changing_between_and_within_calls(eng_fixed, pla
         for i, (k, hooks) in enumerate(setups):
             eng_fixed.set_speculation(k)
             debug(eng_fixed, **hooks)
-            out = eng_fixed.generate([prompt] * 100, SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=2000 + 100 * i))
+            out = eng_fixed.generate(
+                [prompt] * 100, SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=2000 + 100 * i)
+            )
             debug(eng_fixed, cycle=None, plan=[])
             samples += out.token_ids
             logprobs += list(zip(out.token_ids, out.logprobs))
@@ -145,7 +153,10 @@ def test_temperature_one_with_k_changing_between_and_within_calls(eng_fixed, pla
         eng_fixed.set_speculation(3)
     p, per_pos = position_test(plain_samples, samples)
     assert p > 1e-3, f"k changed at run time changes what is sampled (adjusted p={p:.2e}; per position {per_pos})"
-    worst = max(float(np.max(np.abs(np.array(lp) - np.array(hf_token_logprobs(hf_policy, prompt, ids))))) for ids, lp in logprobs[::8])
+    worst = max(
+        float(np.max(np.abs(np.array(lp) - np.array(hf_token_logprobs(hf_policy, prompt, ids)))))
+        for ids, lp in logprobs[::8]
+    )
     assert worst < 1e-4, f"sampled log-probs differ from the policy's: {worst:.2e}"
 
 
@@ -154,7 +165,9 @@ def test_temperature_one_with_k_changing_between_and_within_calls(eng_fixed, pla
 
 def _first_drafts(g, prompts, first_k: int, catch_up: bool = True, max_tokens: int = 1 << 30):
     """Greedy run: k=first_k for 8 engine steps, then 3; returns (tokens, {prompt: {position: first draft}})."""
-    debug(g, catch_up=catch_up, max_catch_up_tokens=max_tokens, record_drafts=True, plan=[(8, 3)] if first_k != 3 else [])
+    debug(
+        g, catch_up=catch_up, max_catch_up_tokens=max_tokens, record_drafts=True, plan=[(8, 3)] if first_k != 3 else []
+    )
     g.set_speculation(first_k)
     out = g.generate(prompts, GREEDY)
     rec = debug(g, record_drafts=False, catch_up=True, max_catch_up_tokens=1 << 30, plan=[])["first_drafts"]
@@ -163,7 +176,7 @@ def _first_drafts(g, prompts, first_k: int, catch_up: bool = True, max_tokens: i
 
 
 def _agreement(ref: dict, test: dict) -> tuple[int, int]:
-    from rl_specdec.generation.engine.selfcheck import agreement
+    from rl_specdec.rollout.runtime_k.selfcheck import agreement
 
     return agreement(ref, test)
 
@@ -174,7 +187,7 @@ def test_catch_up_restores_the_drafter(eng_fixed, tokenizer):
     The first draft of a verify step is the drafter's argmax given the true prefix. Negative control:
     without the catch-up the drafter's KV has holes and its first drafts differ.
     """
-    from rl_specdec.environments.sorting import SortingTask
+    from rl_specdec.tasks.sorting import SortingTask
 
     prompts = [tokenizer.encode(s.prompt) for s in SortingTask(min_len=14, max_len=24).make_batch(seed=7, n=32)]
     ref_tokens, ref = _first_drafts(eng_fixed, prompts, 3)
@@ -193,7 +206,8 @@ def test_catch_up_restores_the_drafter(eng_fixed, tokenizer):
 
 
 def test_the_self_check_fails_loudly_without_catch_up(eng_fixed):
-    """The start-up self-check passes on this vLLM, and fails (naming the fallback switch) when the catch-up is broken."""
+    """The start-up self-check passes on this vLLM, and fails (naming the fallback switch) when the catch-up is
+    broken."""
     eng_fixed.check_spec_control()
     debug(eng_fixed, catch_up=False)
     try:
@@ -208,7 +222,9 @@ def test_the_self_check_fails_loudly_without_catch_up(eng_fixed):
 # ---- the adaptive controller --------------------------------------------------------------------
 
 
-def test_adaptive_controller_decides_and_stays_lossless(eng_adaptive, task_prompts, none_greedy, plain_samples, tokenizer):
+def test_adaptive_controller_decides_and_stays_lossless(
+    eng_adaptive, task_prompts, none_greedy, plain_samples, tokenizer
+):
     reports = []
     for _ in range(6):
         out = eng_adaptive.generate(task_prompts * 8, GREEDY)
@@ -226,11 +242,14 @@ def test_adaptive_controller_decides_and_stays_lossless(eng_adaptive, task_promp
 def test_the_canary_disable_path_makes_the_next_call_draft_nothing(eng_adaptive, task_prompts):
     from pathlib import Path
 
-    from rl_specdec.algorithms.drafter_upkeep import DrafterUpkeep
     from rl_specdec.config import load_config
+    from rl_specdec.drafter.upkeep import DrafterUpkeep
 
     root = Path(__file__).resolve().parents[1]
-    overrides = ["policy.generation.acceptance_canary.action=disable", "policy.generation.speculation_control.mode=adaptive"]
+    overrides = [
+        "policy.generation.acceptance_canary.action=disable",
+        "policy.generation.speculation_control.mode=adaptive",
+    ]
     upkeep = DrafterUpkeep(load_config(root / "configs/grpo_spec.yaml", overrides, resolve_models=False))
     sampling = SamplingSettings(max_tokens=MAX_TOKENS, temperature=1.0, seed=6)
     # The controller drafts only where a measured k>0 pays, so a given call may draft nothing: the engine's

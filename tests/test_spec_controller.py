@@ -27,8 +27,9 @@ import random
 
 import numpy as np
 
-from rl_specdec.generation.engine.controller import ControlSettings, Controller, bucket_ranges, features, lookup_from
-from rl_specdec.generation.engine.fastpath import StepRecord
+from rl_specdec.config import SpeculationControlConfig
+from rl_specdec.rollout.runtime_k.controller import Controller, bucket_ranges, lookup_from
+from rl_specdec.vllm_ext.model_runner import StepRecord
 
 K = 4
 MAX_BATCH = 256
@@ -43,11 +44,23 @@ def CHEAP(b, kv, kn):
 
 
 def CPU(b, kv, kn):  # spike 14's fit: a + c_r b + [k>0](s0 + s1 b) + k (d0 + c_v b), split into verify and draft halves
-    return 3.6 + 0.257 * b + (kv > 0) * (1.0 + 0.02 * b) + kv * 0.09 * b + (kn > 0) * (0.94 + 0.02 * b) + kn * (1.21 + 0.082 * b)
+    return (
+        3.6
+        + 0.257 * b
+        + (kv > 0) * (1.0 + 0.02 * b)
+        + kv * 0.09 * b
+        + (kn > 0) * (0.94 + 0.02 * b)
+        + kn * (1.21 + 0.082 * b)
+    )
 
 
 def settings(**kw):
-    return ControlSettings(k_max=K, max_batch=MAX_BATCH, **{"explore": 0.05, "seed": 1, **kw})
+    return SpeculationControlConfig(mode="adaptive", k_max=K, **{"explore": 0.05, **kw})
+
+
+def controller(s: SpeculationControlConfig, initial_k: int) -> Controller:
+    lookup = lookup_from(bucket_ranges(s.buckets, MAX_BATCH), [initial_k] * len(s.buckets))
+    return Controller(s, K, MAX_BATCH, lookup, seed=1)
 
 
 def run(table, p_accept=0.8, calls=40, initial_k=2, ctl=None, seed=0, **kw):
@@ -55,7 +68,7 @@ def run(table, p_accept=0.8, calls=40, initial_k=2, ctl=None, seed=0, **kw):
     rng = random.Random(seed)
     nrng = np.random.default_rng(seed)
     s = settings(**kw)
-    ctl = ctl or Controller(s, lookup_from(bucket_ranges(s.buckets, MAX_BATCH), [initial_k] * len(s.buckets)))
+    ctl = ctl or controller(s, initial_k)
     lookup = list(ctl.pushed)
     for _ in range(calls):
         lengths = sorted(int(8 + 120 * rng.random() ** 3) for _ in range(128))  # a long tail of rollouts
@@ -67,9 +80,20 @@ def run(table, p_accept=0.8, calls=40, initial_k=2, ctl=None, seed=0, **kw):
             kn = lookup[b]
             t = table(b, kv, kn) * 1e-3 * math.exp(rng.gauss(0, 0.1))
             acc = [int(nrng.binomial(b, p_accept ** (i + 1))) for i in range(kv)]
-            rec = StepRecord(b=b, tokens=b * (1 + kv), drafts=b * kv, k_verify=kv, k_next=kn, ctx=ctx, plain=kv == kn == 0,
-                             continuing=step > 0, emitted=b + sum(acc), drafted_pp=[b] * kv or None,
-                             accepted_pp=acc or None, period_s=t)
+            rec = StepRecord(
+                b=b,
+                tokens=b * (1 + kv),
+                drafts=b * kv,
+                k_verify=kv,
+                k_next=kn,
+                ctx=ctx,
+                plain=kv == kn == 0,
+                continuing=step > 0,
+                emitted=b + sum(acc),
+                drafted_pp=[b] * kv or None,
+                accepted_pp=acc or None,
+                period_s=t,
+            )
             if prev is not None:
                 new = ctl.step(prev, b)
                 lookup = new if new is not None else lookup
@@ -96,7 +120,7 @@ def test_useless_drafter_picks_zero_even_when_verification_is_cheap():
 
 def oracle_rates(table, p, b):
     """True tokens per ms at batch b for each steady k."""
-    return [b * (1 + sum(p ** i for i in range(1, k + 1))) / table(b, k, k) for k in range(K + 1)]
+    return [b * (1 + sum(p**i for i in range(1, k + 1))) / table(b, k, k) for k in range(K + 1)]
 
 
 def test_cpu_costs_speculate_at_small_batch_and_choose_near_the_best_k():
@@ -164,20 +188,24 @@ def _req(output, max_tokens=100, ignore_eos=False, stops=frozenset({9})):
 def test_tokens_past_a_stop_or_max_tokens_are_not_counted():
     from types import SimpleNamespace
 
-    from rl_specdec.generation.engine.fastpath import _acceptance
+    from rl_specdec.vllm_ext.model_runner import _acceptance
 
     out = SimpleNamespace(sampled_token_ids=[[5, 9, 7, 8]], req_id_to_index={"a": 0})  # 3 drafts accepted + bonus
     spec = {"a": [5, 9, 7]}
     prior = [1, 2]  # tokens the request had before this step (the runner appends this step's before we read it)
     assert _acceptance(spec, out, {"a": _req(prior + [5, 9, 7, 8])}) == ([1, 1, 1], [1, 1, 0], 2)  # stops at 9
     assert _acceptance(spec, out, {"a": _req(prior + [5, 9, 7, 8], ignore_eos=True)}) == ([1, 1, 1], [1, 1, 1], 4)
-    assert _acceptance(spec, out, {"a": _req(prior + [5, 9, 7, 8], max_tokens=3, stops=())}) == ([1, 1, 1], [1, 0, 0], 1)
+    assert _acceptance(spec, out, {"a": _req(prior + [5, 9, 7, 8], max_tokens=3, stops=())}) == (
+        [1, 1, 1],
+        [1, 0, 0],
+        1,
+    )
 
 
 def test_a_calls_first_step_counts_for_no_k():
     """It emits one token per request whatever k is; counted, it would lower the rate of the k in force."""
     s = settings()
-    ctl = Controller(s, lookup_from(bucket_ranges(s.buckets, MAX_BATCH), [2] * len(s.buckets)))
+    ctl = controller(s, 2)
     rec = dict(b=100, tokens=3000, drafts=0, k_verify=0, k_next=2, ctx=0, plain=False, emitted=100, period_s=0.05)
     ctl.observe(StepRecord(continuing=False, **rec))
     assert ctl.measured == {}

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from rl_specdec.spec_decode import aggregate_spec_decode_counters, compute_spec_decode_metrics, counters_from_histogram
-from rl_specdec.spec_decode.counters import ACCEPTED, DRAFT_TOKENS, DRAFTS, PER_POS
+from rl_specdec.metrics import aggregate_spec_decode_counters, compute_spec_decode_metrics, counters_from_histogram
+from rl_specdec.metrics.counters import ACCEPTED, DRAFT_TOKENS, DRAFTS, PER_POS
 
 
 def counters(drafts, draft_tokens, accepted, per_pos):

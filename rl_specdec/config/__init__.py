@@ -1,10 +1,21 @@
 """Typed run configuration, validated when it is loaded (see :mod:`rl_specdec.config.load`).
 
-``schema``: the dataclasses (every key and its default); ``checks``: value checks;
-``load``: YAML, overrides, resolution of models, device and dtype.
+Every config dataclass lives here, one per idea: ``schema`` (the run: policy,
+GRPO, task, logger, checkpoints), ``generation`` (the engines, the cluster,
+speculation's companions), ``serving`` (vLLM's OpenAI server on async engines).
+``checks``, ``speculation`` and ``vllm_kwargs`` check values when a config
+loads (the last one against vLLM's own declarations); ``load`` reads YAML and
+overrides and resolves models, device and dtype.
 """
 
 from rl_specdec.config.checks import validate
+from rl_specdec.config.generation import (
+    CanaryConfig,
+    ClusterConfig,
+    DrafterTrainingConfig,
+    GenerationConfig,
+    SpeculationControlConfig,
+)
 from rl_specdec.config.load import (
     check_cluster_resources,
     load_config,
@@ -16,23 +27,31 @@ from rl_specdec.config.load import (
 )
 from rl_specdec.config.schema import (
     CheckpointConfig,
-    EnvConfig,
-    GRPOSettings,
+    GRPOConfig,
     LoggerConfig,
     PolicyConfig,
     RunConfig,
+    TaskConfig,
     WandbConfig,
 )
+from rl_specdec.config.serving import ServerConfig
+from rl_specdec.config.vllm_kwargs import validate_speculative_config, validate_vllm_kwargs
 from rl_specdec.errors import ConfigError
 
 __all__ = [
+    "CanaryConfig",
     "CheckpointConfig",
+    "ClusterConfig",
     "ConfigError",
-    "EnvConfig",
-    "GRPOSettings",
+    "DrafterTrainingConfig",
+    "GRPOConfig",
+    "GenerationConfig",
     "LoggerConfig",
     "PolicyConfig",
     "RunConfig",
+    "ServerConfig",
+    "SpeculationControlConfig",
+    "TaskConfig",
     "WandbConfig",
     "check_cluster_resources",
     "load_config",
@@ -42,4 +61,6 @@ __all__ = [
     "to_dict",
     "to_yaml",
     "validate",
+    "validate_speculative_config",
+    "validate_vllm_kwargs",
 ]

@@ -6,9 +6,8 @@ Each error names the key and the fix. None of these needs a model file.
 from __future__ import annotations
 
 from rl_specdec.config.schema import LOG_LEVELS, PolicyConfig, RunConfig
+from rl_specdec.config.speculation import validate_speculation
 from rl_specdec.errors import ConfigError
-from rl_specdec.generation import speculation_control
-from rl_specdec.generation.config import GenerationConfig
 
 
 def cuda_available() -> bool:
@@ -17,7 +16,7 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _positive(name: str, value, allow_zero: bool = False):
+def positive(name: str, value, allow_zero: bool = False):
     if value is None or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{name}={value} must be {bound}")
@@ -26,11 +25,11 @@ def _positive(name: str, value, allow_zero: bool = False):
 def validate(cfg: RunConfig) -> None:
     """Value checks that need no model files."""
     g, gen, p = cfg.grpo, cfg.policy.generation, cfg.policy
-    _positive("grpo.max_steps", g.max_steps)
-    _positive("grpo.num_prompts_per_step", g.num_prompts_per_step)
-    _positive("grpo.val_every", g.val_every, allow_zero=True)
-    _positive("grpo.val_num_prompts", g.val_num_prompts, allow_zero=True)
-    _positive("grpo.self_check_prompts", g.self_check_prompts, allow_zero=True)
+    positive("grpo.max_steps", g.max_steps)
+    positive("grpo.num_prompts_per_step", g.num_prompts_per_step)
+    positive("grpo.val_every", g.val_every, allow_zero=True)
+    positive("grpo.val_num_prompts", g.val_num_prompts, allow_zero=True)
+    positive("grpo.self_check_prompts", g.self_check_prompts, allow_zero=True)
     if g.num_generations_per_prompt < 2:
         raise ConfigError(
             f"grpo.num_generations_per_prompt={g.num_generations_per_prompt}: GRPO normalises rewards within a group, "
@@ -38,16 +37,16 @@ def validate(cfg: RunConfig) -> None:
         )
     if not 0 < g.clip_eps < 1:
         raise ConfigError(f"grpo.clip_eps={g.clip_eps} must be in (0, 1); 0.2 is standard.")
-    _positive("grpo.kl_coef", g.kl_coef, allow_zero=True)
-    _positive("policy.learning_rate", p.learning_rate)
-    _positive("policy.max_grad_norm", p.max_grad_norm)
-    _positive("policy.micro_batch_size", p.micro_batch_size)
+    positive("grpo.kl_coef", g.kl_coef, allow_zero=True)
+    positive("policy.learning_rate", p.learning_rate)
+    positive("policy.max_grad_norm", p.max_grad_norm)
+    positive("policy.micro_batch_size", p.micro_batch_size)
     if p.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"policy.dtype={p.dtype!r} must be one of auto, float32, bfloat16, float16")
     validate_policy_parallel(p)
-    _positive("policy.generation.num_engines", gen.num_engines)
-    _positive("policy.generation.cpus_per_engine", gen.cpus_per_engine)
-    _positive("policy.generation.max_new_tokens", gen.max_new_tokens)
+    positive("policy.generation.num_engines", gen.num_engines)
+    positive("policy.generation.cpus_per_engine", gen.cpus_per_engine)
+    positive("policy.generation.max_new_tokens", gen.max_new_tokens)
     if gen.temperature < 0:
         raise ConfigError(f"policy.generation.temperature={gen.temperature} must be >= 0")
     if gen.temperature == 0:
@@ -61,18 +60,22 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"logger.level={cfg.logger.level!r} must be one of {', '.join(LOG_LEVELS)}")
     if cfg.logger.wandb.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r} must be offline, online or disabled")
-    _positive("checkpoint.every", cfg.checkpoint.every)
-    _positive("checkpoint.keep", cfg.checkpoint.keep)
-    validate_speculation_care(gen)
-    from rl_specdec.environments import TASKS
+    positive("checkpoint.every", cfg.checkpoint.every)
+    positive("checkpoint.keep", cfg.checkpoint.keep)
+    validate_speculation(gen)
+    from rl_specdec.tasks import TASKS
 
-    if cfg.env.name not in TASKS:
-        raise ConfigError(f"env.name={cfg.env.name!r} is not a known task; choose one of {sorted(TASKS)}")
+    if cfg.task.name not in TASKS:
+        raise ConfigError(f"task.name={cfg.task.name!r} is not a known task; choose one of {sorted(TASKS)}")
     if cfg.cluster.placement_strategy not in PLACEMENT_STRATEGIES:
-        raise ConfigError(f"cluster.placement_strategy={cfg.cluster.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+        raise ConfigError(
+            f"cluster.placement_strategy={cfg.cluster.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or "
+            "STRICT_SPREAD"
+        )
     if p.device == "cuda" and not cfg.cluster.address and not cuda_available():
         raise ConfigError(
-            "policy.device=cuda but this machine sees no CUDA device and cluster.address is not set (the local Ray instance has no GPU); "
+            "policy.device=cuda but this machine sees no CUDA device and cluster.address is not set (the local Ray "
+            "instance has no GPU); "
             "set policy.device=auto or cpu, or join a GPU cluster with cluster.address"
         )
 
@@ -82,67 +85,41 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 def validate_policy_parallel(p: PolicyConfig) -> None:
     """The data-parallel keys of ``policy``: worker count, strategy, resources, refit bucket."""
-    _positive("policy.num_workers", p.num_workers)
+    positive("policy.num_workers", p.num_workers)
     if p.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"policy.device={p.device!r} must be auto, cpu or cuda")
     if p.strategy not in ("ddp", "fsdp2"):
-        raise ConfigError(f"policy.strategy={p.strategy!r} must be ddp (replicated data parallel) or fsdp2 (sharded: FSDP2 fully_shard)")
-    _positive("policy.gpus_per_worker", p.gpus_per_worker, allow_zero=True)
-    _positive("policy.cpus_per_worker", p.cpus_per_worker, allow_zero=True)
-    _positive("policy.refit_bucket_bytes", p.refit_bucket_bytes)
+        raise ConfigError(
+            f"policy.strategy={p.strategy!r} must be ddp (replicated data parallel) or fsdp2 (sharded: FSDP2 "
+            "fully_shard)"
+        )
+    positive("policy.gpus_per_worker", p.gpus_per_worker, allow_zero=True)
+    positive("policy.cpus_per_worker", p.cpus_per_worker, allow_zero=True)
+    positive("policy.refit_bucket_bytes", p.refit_bucket_bytes)
     if p.num_threads is not None:
-        _positive("policy.num_threads", p.num_threads)
+        positive("policy.num_threads", p.num_threads)
     if p.placement_strategy not in PLACEMENT_STRATEGIES:
-        raise ConfigError(f"policy.placement_strategy={p.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+        raise ConfigError(
+            f"policy.placement_strategy={p.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD"
+        )
     if p.gpus_per_worker > 1:
-        raise ConfigError(f"policy.gpus_per_worker={p.gpus_per_worker}: a worker trains on one GPU; use policy.num_workers for more GPUs")
+        raise ConfigError(
+            f"policy.gpus_per_worker={p.gpus_per_worker}: a worker trains on one GPU; use policy.num_workers for more "
+            "GPUs"
+        )
     if p.num_workers > 1 or p.strategy == "fsdp2":
         import torch.distributed as dist
 
         if not dist.is_available():
-            raise ConfigError(f"policy.num_workers={p.num_workers}, policy.strategy={p.strategy} need torch.distributed, which this torch build lacks; use policy.num_workers=1 with ddp")
+            raise ConfigError(
+                f"policy.num_workers={p.num_workers}, policy.strategy={p.strategy} need torch.distributed, which this "
+                "torch build lacks; use policy.num_workers=1 with ddp"
+            )
     if p.strategy == "fsdp2":
         try:
             from torch.distributed.fsdp import fully_shard  # noqa: F401  (torch >= 2.6)
         except ImportError as e:
-            raise ConfigError(f"policy.strategy=fsdp2 needs torch.distributed.fsdp.fully_shard (torch >= 2.6): {e}; use policy.strategy=ddp") from e
-
-
-# Why online drafter training covers draft_model only (docs/speculative_decoding.md, "The drafter's lifecycle").
-NOT_TRAINABLE = {
-    "ngram": "proposes from the prompt and history: there is no drafter model to train",
-    "ngram_gpu": "proposes from the prompt and history: there is no drafter model to train",
-    "suffix": "proposes from a suffix tree of past outputs: there is no drafter model to train",
-    "eagle": "trains on the target's hidden states, which vLLM's rollouts do not return; refit a head trained elsewhere",
-    "eagle3": "trains on the target's hidden states, which vLLM's rollouts do not return; refit a head trained elsewhere",
-    "mtp": "its heads are part of the policy checkpoint and are refit with the policy",
-}
-
-
-def validate_speculation_care(gen: GenerationConfig) -> None:
-    """drafter_training and acceptance_canary: values, and whether the speculation method has a trainable drafter."""
-    d, c, key = gen.drafter_training, gen.acceptance_canary, "policy.generation"
-    if c.action not in ("warn", "disable", "fail"):
-        raise ConfigError(f"{key}.acceptance_canary.action={c.action!r} must be warn, disable or fail")
-    if not 0 < c.min_ratio < 1:
-        raise ConfigError(f"{key}.acceptance_canary.min_ratio={c.min_ratio} must be in (0, 1); 0.5 trips at half the usual acceptance")
-    _positive(f"{key}.acceptance_canary.window", c.window)
-    speculation_control.validate(gen)
-    if not d.enabled:
-        return
-    for name in ("learning_rate", "steps_per_update", "every", "micro_batch_size"):
-        _positive(f"{key}.drafter_training.{name}", getattr(d, name))
-    if d.max_sequences < 0:
-        raise ConfigError(f"{key}.drafter_training.max_sequences={d.max_sequences} must be >= 0 (0 trains on every rollout of the step)")
-    if not 1 <= d.top_k <= 20:
-        raise ConfigError(f"{key}.drafter_training.top_k={d.top_k} must be in 1..20 (vLLM returns at most 20 log-probs per token)")
-    spec = gen.vllm_kwargs.get("speculative_config") or {}
-    method = spec.get("method")
-    if method is None:
-        raise ConfigError(f"{key}.drafter_training.enabled=true needs speculation: set {key}.vllm_kwargs.speculative_config (method: draft_model)")
-    if method != "draft_model":
-        why = NOT_TRAINABLE.get(method, "is not a draft_model drafter")
-        raise ConfigError(
-            f"{key}.drafter_training.enabled=true with speculative_config.method={method!r}: {method} {why}. "
-            f"Online drafter training needs method: draft_model; set {key}.drafter_training.enabled=false for {method}."
-        )
+            raise ConfigError(
+                f"policy.strategy=fsdp2 needs torch.distributed.fsdp.fully_shard (torch >= 2.6): {e}; use "
+                "policy.strategy=ddp"
+            ) from e

@@ -8,7 +8,7 @@
 3. merges onto the typed schema below, so an unknown key or a wrong type fails
    with the key's full name and the closest valid names;
 4. checks values (ranges, combinations) and the speculative config against
-   vLLM's own declarations (:mod:`rl_specdec.generation.spec_config`);
+   vLLM's own declarations (:mod:`rl_specdec.config.vllm_kwargs`);
 5. resolves model names: ``toy:policy`` / ``toy:drafter`` are the embedded toy
    models (built and cached the first time), a local-looking path must exist;
 6. resolves ``device: auto`` and ``dtype: auto`` once, for the trainer and the
@@ -19,12 +19,12 @@ Everything happens before any Ray actor starts, so a bad config costs seconds.
 ``${...}`` interpolation works as in any OmegaConf file.
 """
 
-
 import difflib
 import os
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -39,10 +39,12 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     if path in seen:
         raise ConfigError(f"{path}: 'defaults' forms a cycle through {[str(p) for p in seen]}")
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass an existing YAML, e.g. --config configs/grpo_spec.yaml")
+        raise ConfigError(
+            f"config file {path} does not exist; pass an existing YAML, e.g. --config configs/grpo_spec.yaml"
+        )
     try:
         cfg = OmegaConf.load(path)
-    except Exception as e:  # yaml errors come in several types
+    except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
@@ -69,26 +71,31 @@ def _apply_replace_markers(base: DictConfig, child: DictConfig, prefix: str = ""
                 _apply_replace_markers(base[k], node, f"{prefix}{k}.")
 
 
-def _all_keys(node, prefix="") -> list[str]:
+def _all_keys(node: Any, prefix: str = "") -> list[str]:
+    """Every dotted key of a plain (container) config."""
     out = []
-    if isinstance(node, DictConfig):
-        for k in node.keys():
-            full = f"{prefix}{k}"
-            out.append(full)
-            try:
-                out += _all_keys(node._get_node(k), full + ".")
-            except Exception:
-                pass
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += [f"{prefix}{k}"] + _all_keys(v, f"{prefix}{k}.")
     return out
 
 
+RENAMED = {"env": "task"}  # an old key -> its new name
+
+
 def _wrap_omegaconf_error(e: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
-    key = getattr(e, "full_key", None) or ""
+    key = e.full_key or ""
+    old = key.split(".")[0]
+    if old in RENAMED:
+        new = RENAMED[old] + key[len(old) :]
+        return ConfigError(f"config key '{key}' is now '{new}'; rename it (see docs/grpo.md for every key).")
     if isinstance(e, ConfigKeyError) or "not in" in str(e):
-        valid = _all_keys(schema)
+        valid = _all_keys(OmegaConf.to_container(schema))
         close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
-        return ConfigError(f"unknown config key '{key}'.{hint} Remove it or fix its name (see docs/grpo.md for every key).")
+        return ConfigError(
+            f"unknown config key '{key}'.{hint} Remove it or fix its name (see docs/grpo.md for every key)."
+        )
     if isinstance(e, ValidationError):
         return ConfigError(f"config key '{key}' has a value of the wrong type: {str(e).splitlines()[0]}")
     return ConfigError(f"config key '{key}': {e}")
@@ -104,7 +111,9 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"could not parse overrides {overrides}: {e}") from e
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, *, resolve_models: bool = True) -> RunConfig:
+def load_config(
+    path: str | os.PathLike | None = None, overrides: list[str] | None = None, *, resolve_models: bool = True
+) -> RunConfig:
     """Load, merge, type-check, validate and resolve a run config. See module doc."""
     schema = OmegaConf.structured(RunConfig)
     raw = _read_yaml(Path(path)) if path else OmegaConf.create()
@@ -127,7 +136,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 def _resolve_one(name: str, key: str, toy_paths) -> str:
     if name.startswith(TOY_PREFIX):
-        which = name[len(TOY_PREFIX):]
+        which = name[len(TOY_PREFIX) :]
         if which not in TOY_MODELS:
             raise ConfigError(f"{key}={name!r}: the embedded models are {', '.join('toy:' + m for m in TOY_MODELS)}")
         pair, attr = TOY_MODELS[which]
@@ -140,7 +149,11 @@ def _resolve_one(name: str, key: str, toy_paths) -> str:
 
 def resolve_model_paths(cfg: RunConfig) -> None:
     """Replace toy:* names with built folders and check local paths; then validate vllm_kwargs."""
-    from rl_specdec.generation.spec_config import validate_vllm_kwargs
+    from rl_specdec.config.vllm_kwargs import validate_vllm_kwargs
+    from rl_specdec.vllm_ext import check_vllm
+
+    gen = cfg.policy.generation
+    check_vllm(gen.allow_untested_vllm, gen.vllm_hook_features())  # before anything else reads vLLM
 
     cache: dict[str, Any] = {}
 
@@ -187,7 +200,10 @@ def check_cluster_resources(cfg: RunConfig, resources: dict[str, float]) -> None
     p, gen = cfg.policy, cfg.policy.generation
     have_gpu, have_cpu = float(resources.get("GPU", 0)), float(resources.get("CPU", 0))
     if p.device == "cuda" and have_gpu == 0:
-        raise ConfigError(f"policy.device=cuda but the Ray cluster has no GPU (resources: CPU {have_cpu:g}); set policy.device=cpu or join a GPU cluster")
+        raise ConfigError(
+            f"policy.device=cuda but the Ray cluster has no GPU (resources: CPU {have_cpu:g}); set policy.device=cpu "
+            "or join a GPU cluster"
+        )
     tp = int(gen.vllm_kwargs.get("tensor_parallel_size") or 1)
     engine_gpu = gen.num_engines * tp if have_gpu > 0 else 0
     engine_cpu = gen.num_engines * (1 if have_gpu > 0 else gen.cpus_per_engine)
@@ -195,14 +211,25 @@ def check_cluster_resources(cfg: RunConfig, resources: dict[str, float]) -> None
     policy_cpu = p.num_workers * p.cpus_per_worker
     per_engine_cpu = "1 per GPU engine" if have_gpu > 0 else "cpus_per_engine"
     for what, have, pol, eng, pol_how, eng_how, fix in (
-        ("GPUs", have_gpu, policy_gpu, engine_gpu,
-         f"{p.num_workers} x {p.gpus_per_worker:g} (policy.num_workers x policy.gpus_per_worker)",
-         f"{gen.num_engines} x {tp} (policy.generation.num_engines x tensor_parallel_size)",
-         "policy.gpus_per_worker=0 shares the engines' GPUs"),
-        ("CPUs", have_cpu, policy_cpu, engine_cpu,
-         f"{p.num_workers} x {p.cpus_per_worker:g} (policy.num_workers x policy.cpus_per_worker)",
-         f"{gen.num_engines} x {engine_cpu // max(gen.num_engines, 1)} (policy.generation.num_engines x {per_engine_cpu})",
-         "policy.cpus_per_worker=0 reserves none"),
+        (
+            "GPUs",
+            have_gpu,
+            policy_gpu,
+            engine_gpu,
+            f"{p.num_workers} x {p.gpus_per_worker:g} (policy.num_workers x policy.gpus_per_worker)",
+            f"{gen.num_engines} x {tp} (policy.generation.num_engines x tensor_parallel_size)",
+            "policy.gpus_per_worker=0 shares the engines' GPUs",
+        ),
+        (
+            "CPUs",
+            have_cpu,
+            policy_cpu,
+            engine_cpu,
+            f"{p.num_workers} x {p.cpus_per_worker:g} (policy.num_workers x policy.cpus_per_worker)",
+            f"{gen.num_engines} x {engine_cpu // max(gen.num_engines, 1)} (policy.generation.num_engines x "
+            f"{per_engine_cpu})",
+            "policy.cpus_per_worker=0 reserves none",
+        ),
     ):
         if pol + eng > have:
             raise ConfigError(

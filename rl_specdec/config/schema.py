@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rl_specdec.generation.config import ClusterConfig, GenerationConfig
+from rl_specdec.config.generation import ClusterConfig, GenerationConfig
 
 TOY_PREFIX = "toy:"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -27,23 +27,29 @@ class PolicyConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch_size: int = 64  # sequences per forward/backward (per worker); gradients accumulate to one step
-    num_threads: Optional[int] = None  # torch threads per worker on CPU (default: the host's cores shared by its workers)
+    num_threads: Optional[int] = (
+        None  # torch threads per worker on CPU (default: the host's cores shared by its workers)
+    )
     device: str = "auto"  # auto (cuda where the loading process sees CUDA, else cpu) | cpu | cuda; resolved at load
     # Data parallelism: num_workers Ray actors train one model with torch.distributed (gloo on CPU,
     # NCCL on GPU). ddp replicates the model; fsdp2 shards parameters, gradients and AdamW state.
     num_workers: int = 1
     strategy: str = "ddp"  # ddp | fsdp2
     gpus_per_worker: float = 1.0  # with device=cuda; 0 = reserve none and share the engines' GPUs (cuda:<local rank>)
-    cpus_per_worker: float = 0.0  # CPUs each worker reserves; 0 = none (the trainer and the engines take turns on the cores)
-    placement_strategy: str = "PACK"  # Ray placement of the workers' bundles: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    cpus_per_worker: float = (
+        0.0  # CPUs each worker reserves; 0 = none (the trainer and the engines take turns on the cores)
+    )
+    placement_strategy: str = (
+        "PACK"  # Ray placement of the workers' bundles: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    )
     refit_bucket_bytes: int = 256 * 2**20  # refit streams the weights to the engines in dicts of at most this size
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
 
 @dataclass
-class GRPOSettings:
-    max_steps: int = 60
-    num_prompts_per_step: int = 16
+class GRPOConfig:
+    max_steps: int = 80
+    num_prompts_per_step: int = 64
     num_generations_per_prompt: int = 8  # G: samples per prompt; advantages are normalised within each group
     clip_eps: float = 0.2  # clip range of the importance ratio against the generation log-probs
     kl_coef: float = 0.0  # > 0 adds a k3 KL penalty to a frozen reference copy of the initial policy
@@ -53,14 +59,14 @@ class GRPOSettings:
     # gradient (their group all scored the same), only compute. The loss is averaged over the kept tokens.
     skip_zero_advantage: bool = True
     val_every: int = 10  # validation every N steps (0: never)
-    val_num_prompts: int = 64
+    val_num_prompts: int = 256
     self_check_prompts: int = 32  # prompts for the start-up sampling self-check (0: skip)
 
 
 @dataclass
-class EnvConfig:
+class TaskConfig:
     name: str = "sorting"
-    kwargs: dict[str, Any] = field(default_factory=lambda: {"min_len": 4, "max_len": 24})
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the task class's arguments (its defaults where unset)
 
 
 @dataclass
@@ -94,11 +100,8 @@ class RunConfig:
     seed: int = 0
     resume: bool = False
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    grpo: GRPOSettings = field(default_factory=GRPOSettings)
-    env: EnvConfig = field(default_factory=EnvConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-
-
-# ---- loading ------------------------------------------------------------------

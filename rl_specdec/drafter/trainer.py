@@ -28,10 +28,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rl_specdec.generation.config import DrafterTrainingConfig
+from rl_specdec.config.generation import DrafterTrainingConfig
 
 
-def distill_batch(prompt_ids: list[list[int]], token_ids: list[list[int]], top_logprobs: list[list[dict[int, float]]], top_k: int, pad_id: int) -> dict[str, torch.Tensor]:
+def distill_batch(
+    prompt_ids: list[list[int]],
+    token_ids: list[list[int]],
+    top_logprobs: list[list[dict[int, float]]],
+    top_k: int,
+    pad_id: int,
+) -> dict[str, torch.Tensor]:
     """Right-padded sequences and, at each generated position, the policy's top-k ids and log-probs.
 
     ``top_logprobs[i][t]`` is vLLM's dict for generated token t of sample i (it may
@@ -52,7 +58,13 @@ def distill_batch(prompt_ids: list[list[int]], token_ids: list[list[int]], top_l
             mask[i, pos] = 1
             top_ids[i, pos, : len(ranked)] = torch.tensor([k for k, _ in ranked])
             top_lp[i, pos, : len(ranked)] = torch.tensor([v for _, v in ranked])
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "mask": mask, "top_ids": top_ids, "top_logprobs": top_lp}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "mask": mask,
+        "top_ids": top_ids,
+        "top_logprobs": top_lp,
+    }
 
 
 def distill_loss(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,14 +82,23 @@ def distill_loss(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> tuple[tor
 class DrafterTrainer:
     """The drafter's torch model and AdamW, in one process."""
 
-    def __init__(self, model_path: str, cfg: DrafterTrainingConfig, dtype: str = "float32", seed: int = 0, num_threads: int | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        cfg: DrafterTrainingConfig,
+        dtype: str = "float32",
+        seed: int = 0,
+        num_threads: int | None = None,
+    ):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         if not torch.cuda.is_available():
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).train()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).train()
+        )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
         self.cfg = cfg
         self.version = 0  # drafter refits so far
@@ -120,7 +141,9 @@ class DrafterTrainer:
             state.update(load_file(str(f)))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if set(missing) - {"lm_head.weight"} or unexpected:
-            raise RuntimeError(f"drafter checkpoint {p} does not match the drafter: missing {missing}, unexpected {unexpected}")
+            raise RuntimeError(
+                f"drafter checkpoint {p} does not match the drafter: missing {missing}, unexpected {unexpected}"
+            )
         extra = torch.load(p / "optimizer.pt", weights_only=False)
         self.opt.load_state_dict(extra["optimizer"])
         self.version = int(extra["version"])
@@ -132,7 +155,9 @@ class RayDrafter:
     def __init__(self, model_path: str, cfg: DrafterTrainingConfig, dtype: str, seed: int, num_gpus: float = 0):
         import ray
 
-        self.actor = ray.remote(DrafterTrainer).options(num_cpus=0, num_gpus=num_gpus).remote(model_path, cfg, dtype, seed)
+        self.actor = (
+            ray.remote(DrafterTrainer).options(num_cpus=0, num_gpus=num_gpus).remote(model_path, cfg, dtype, seed)
+        )
         self._pending = None
 
     def train(self, batch: dict[str, torch.Tensor]) -> None:

@@ -57,7 +57,10 @@ def _fsdp2_units(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     units = [m for m in model.modules() if type(m).__name__ in names]
     if not units:
-        raise ValueError(f"policy.strategy=fsdp2: {type(model).__name__} names no decoder-layer class (_no_split_modules); use policy.strategy=ddp")
+        raise ValueError(
+            f"policy.strategy=fsdp2: {type(model).__name__} names no decoder-layer class (_no_split_modules); use "
+            "policy.strategy=ddp"
+        )
     return units
 
 
@@ -86,7 +89,9 @@ def wrap_for_training(model: nn.Module, strategy: str, device: torch.device) -> 
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
+    ddp = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False
+    )
     ddp.register_comm_hook(None, _sum_allreduce_hook)
     return ddp
 
@@ -112,7 +117,9 @@ def grad_sync(module: nn.Module, enabled: bool):
     yield
 
 
-def reduce_metrics(sums: dict[str, float], maxes: dict[str, float], device: torch.device) -> tuple[dict[str, float], dict[str, float]]:
+def reduce_metrics(
+    sums: dict[str, float], maxes: dict[str, float], device: torch.device
+) -> tuple[dict[str, float], dict[str, float]]:
     """Sum ``sums`` and take the max of ``maxes`` over all ranks (every rank holds the same keys)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return sums, maxes

@@ -57,7 +57,9 @@ def threads_and_local_ranks(nodes: list[dict[str, Any]], num_threads: int | None
         key = (n["ip"], n["host"])
         local.append(per_host[key])
         per_host[key] += 1
-    return [(num_threads or max(1, n["host_cpus"] // per_host[(n["ip"], n["host"])]), lr) for n, lr in zip(nodes, local)]
+    return [
+        (num_threads or max(1, n["host_cpus"] // per_host[(n["ip"], n["host"])]), lr) for n, lr in zip(nodes, local)
+    ]
 
 
 class PolicyGroup:
@@ -70,21 +72,30 @@ class PolicyGroup:
         self.workers: list[Any] = []
         self.nodes: list[dict[str, Any]] = []
         self.pg = None
-        self._background: list[tuple[int, Any]] = []  # results of other ranks for a call whose rank-0 result went out as a ref
+        self._background: list[
+            tuple[int, Any]
+        ] = []  # results of other ranks for a call whose rank-0 result went out as a ref
         try:
             self._start_actors(ray.remote(PolicyWorker), keep_reference, seed)
             self.nodes = self._get([w.node_info.remote() for w in self.workers])
             addr, port = self.nodes[0]["ip"], self.nodes[0]["free_port"]
             plan = threads_and_local_ranks(self.nodes, config.num_threads)
-            self._get([
-                w.start.remote(rank, len(self.workers), addr, port, num_threads=threads, local_rank=local_rank)
-                for rank, (w, (threads, local_rank)) in enumerate(zip(self.workers, plan))
-            ])
+            self._get(
+                [
+                    w.start.remote(rank, len(self.workers), addr, port, num_threads=threads, local_rank=local_rank)
+                    for rank, (w, (threads, local_rank)) in enumerate(zip(self.workers, plan))
+                ]
+            )
         except BaseException:  # a failed start leaves no actor and no reservation behind
             self.shutdown()
             raise
         if len(self.workers) > 1:
-            logger.info("policy group: %d %s workers on %s", len(self.workers), config.strategy, [self._where(r) for r in range(len(self.workers))])
+            logger.info(
+                "policy group: %d %s workers on %s",
+                len(self.workers),
+                config.strategy,
+                [self._where(r) for r in range(len(self.workers))],
+            )
 
     def _start_actors(self, actor_cls, keep_reference: bool, seed: int) -> None:
         import ray
@@ -98,11 +109,21 @@ class PolicyGroup:
                 ray.get(self.pg.ready(), timeout=120)
             except ray.exceptions.GetTimeoutError as e:
                 raise RuntimeError(
-                    f"Ray could not reserve {n} x {bundle} for policy.num_workers={n} ({self.config.placement_strategy}); the cluster has "
-                    f"{ray.available_resources()} free. Lower policy.num_workers, gpus_per_worker or cpus_per_worker, or add nodes."
+                    f"Ray could not reserve {n} x {bundle} for policy.num_workers={n} "
+                    f"({self.config.placement_strategy}); the cluster has "
+                    f"{ray.available_resources()} free. Lower policy.num_workers, gpus_per_worker or cpus_per_worker, "
+                    "or add nodes."
                 ) from e
         for i in range(n):
-            where = {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)} if self.pg else {}
+            where = (
+                {
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=i
+                    )
+                }
+                if self.pg
+                else {}
+            )
             opts = {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0), **where}
             self.workers.append(actor_cls.options(**opts).remote(self.config, keep_reference=keep_reference, seed=seed))
 
@@ -127,7 +148,7 @@ class PolicyGroup:
             rank = pending.pop(ready[0])
             try:
                 results[rank] = ray.get(ready[0])
-            except Exception as e:
+            except ray.exceptions.RayError as e:  # a rank failed or died: named below, once the others are in
                 errors[rank] = e
         if not errors:
             return [results[r] for r in ranks]
@@ -194,7 +215,9 @@ class PolicyGroup:
         self._settle()
         ranks = list(range(len(self.workers))) if self._gathers_on_all_ranks else [0]
         gens = [
-            self.workers[r].state_dict_buckets.options(num_returns="streaming", _generator_backpressure_num_objects=REFIT_PREFETCH).remote(self.config.refit_bucket_bytes)
+            self.workers[r]
+            .state_dict_buckets.options(num_returns="streaming", _generator_backpressure_num_objects=REFIT_PREFETCH)
+            .remote(self.config.refit_bucket_bytes)
             for r in ranks
         ]
         return self._stream(gens, ranks)
@@ -216,14 +239,8 @@ class PolicyGroup:
         from ray.util.placement_group import remove_placement_group
 
         for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:  # already gone
-                pass
+            ray.kill(w, no_restart=True)  # a dead actor is killed again without complaint
         self.workers = []
         if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:
-                pass
+            remove_placement_group(self.pg)
             self.pg = None

@@ -24,7 +24,9 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 
 # loss_fn(token_logprobs [n, T-1], micro_batch, ref_logprobs or None) -> (scalar loss, {name: scalar tensor})
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+LossFn = Callable[
+    [torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None], tuple[torch.Tensor, dict[str, torch.Tensor]]
+]
 
 
 class PolicyInterface(Protocol):

@@ -53,7 +53,9 @@ def as_dict(items: Iterable[tuple[list[str], torch.Tensor | None]]) -> dict[str,
     return {n: t for names, t in items if t is not None for n in names}
 
 
-def bucketed(items: Iterable[tuple[list[str], torch.Tensor | None]], max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+def bucketed(
+    items: Iterable[tuple[list[str], torch.Tensor | None]], max_bytes: int
+) -> Iterator[dict[str, torch.Tensor]]:
     """Group tensors in order into dicts of at most ``max_bytes`` (a tensor larger than that goes alone;
     a tied tensor counts once, under all its names)."""
     bucket: dict[str, torch.Tensor] = {}
@@ -100,7 +102,12 @@ def _read(model: nn.Module, path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     for f in sorted((path / "model").glob("*.safetensors")):
         state.update(load_file(str(f)))
     expected = set(model.state_dict())
-    if _tied(model) and "lm_head.weight" in expected and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+    if (
+        _tied(model)
+        and "lm_head.weight" in expected
+        and "lm_head.weight" not in state
+        and "model.embed_tokens.weight" in state
+    ):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -129,7 +136,10 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
         raise RuntimeError(f"loading checkpoint {path} failed on rank 0: {error}")
     if fmt != FORMAT:  # written by one worker before FORMAT 2: an index-keyed optimizer state
         if world > 1 or hasattr(model, "set_requires_gradient_sync"):
-            raise RuntimeError(f"checkpoint {path} holds an index-keyed optimizer state (older rl_specdec): resume it with policy.num_workers=1 and policy.strategy=ddp")
+            raise RuntimeError(
+                f"checkpoint {path} holds an index-keyed optimizer state (older rl_specdec): resume it with "
+                "policy.num_workers=1 and policy.strategy=ddp"
+            )
         model.load_state_dict(msd)
         optimizer.load_state_dict(extra["optimizer"])
     else:

@@ -21,14 +21,24 @@ import torch
 import torch.nn.functional as F
 
 from rl_specdec.policy import state
-from rl_specdec.policy.distributed import free_port, grad_sync, init_process_group, needs_process_group, reduce_metrics, shard_frozen, wrap_for_training
+from rl_specdec.policy.distributed import (
+    free_port,
+    grad_sync,
+    init_process_group,
+    needs_process_group,
+    reduce_metrics,
+    shard_frozen,
+    wrap_for_training,
+)
 from rl_specdec.policy.interface import LossFn
 
 if TYPE_CHECKING:
     from rl_specdec.config import PolicyConfig
 
 
-def token_logprobs_and_entropy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool = False):
+def token_logprobs_and_entropy(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool = False
+):
     """Log-prob of each next token [N, T-1] (and the policy's entropy there, no grad)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # [N, T-1, V]
     logp_all = F.log_softmax(logits, dim=-1)  # [N, T-1, V]
@@ -47,7 +57,8 @@ class PolicyWorker:
     def __init__(self, config: PolicyConfig, *, keep_reference: bool = False, seed: int = 0):
         if config.dtype == "auto" or config.device == "auto":
             raise ValueError(
-                f"policy.dtype={config.dtype!r}, policy.device={config.device!r}: 'auto' is resolved once, when the config "
+                f"policy.dtype={config.dtype!r}, policy.device={config.device!r}: 'auto' is resolved once, when the "
+                "config "
                 "is loaded (rl_specdec.config.resolve_device_and_dtype); pass a loaded or resolved PolicyConfig"
             )
         self.config = config
@@ -70,7 +81,16 @@ class PolicyWorker:
             "free_port": free_port(),
         }
 
-    def start(self, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0, *, num_threads: int | None = None, local_rank: int = 0) -> None:
+    def start(
+        self,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+        *,
+        num_threads: int | None = None,
+        local_rank: int = 0,
+    ) -> None:
         """Join the process group (if any), load the model, shard or replicate it, build the optimizer."""
         cfg = self.config
         torch.manual_seed(self.seed)
@@ -93,7 +113,9 @@ class PolicyWorker:
         return AutoModelForCausalLM.from_pretrained(self.config.model_name, dtype=self.dtype).to(self.device)
 
     @classmethod
-    def from_module(cls, config: PolicyConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> PolicyWorker:
+    def from_module(
+        cls, config: PolicyConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> PolicyWorker:
         """A started single-process worker around an in-memory ``model`` and its ``optimizer`` (tests).
 
         The same micro-batching, train step and loss contract as a loaded
@@ -109,7 +131,12 @@ class PolicyWorker:
         self._attach(model, lambda _params: optimizer, load_reference=None)
         return self
 
-    def _attach(self, model: torch.nn.Module, make_optimizer: Callable[[Iterator[torch.nn.Parameter]], torch.optim.Optimizer], load_reference: Callable[[], torch.nn.Module] | None) -> None:
+    def _attach(
+        self,
+        model: torch.nn.Module,
+        make_optimizer: Callable[[Iterator[torch.nn.Parameter]], torch.optim.Optimizer],
+        load_reference: Callable[[], torch.nn.Module] | None,
+    ) -> None:
         """The one path from a model to a trainable worker, whoever built the model.
 
         The model is wrapped (DDP) or sharded (FSDP2) first; the frozen
@@ -119,7 +146,9 @@ class PolicyWorker:
         """
         self.model = model
         self.model.train()
-        self.train_model = wrap_for_training(self.model, self.config.strategy, self.device)  # DDP wrapper, or the FSDP2-sharded model
+        self.train_model = wrap_for_training(
+            self.model, self.config.strategy, self.device
+        )  # DDP wrapper, or the FSDP2-sharded model
         self.ref = None
         if load_reference is not None:
             ref = load_reference().eval()
@@ -177,7 +206,9 @@ class PolicyWorker:
         last = math.ceil(batch["input_ids"].shape[0] / self.config.micro_batch_size) - 1
         for i, (_, mb) in enumerate(self._micro_batches(batch)):
             with grad_sync(self.train_model, enabled=i == last):
-                logp, entropy = token_logprobs_and_entropy(self.train_model, mb["input_ids"], mb["attention_mask"], with_entropy=True)
+                logp, entropy = token_logprobs_and_entropy(
+                    self.train_model, mb["input_ids"], mb["attention_mask"], with_entropy=True
+                )
                 ref_logp = None
                 if self.ref is not None:
                     with torch.no_grad():

@@ -99,13 +99,15 @@ def build_tokenizer():
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token=PAD))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, model_max_length=128
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, model_max_length=128)
 
 
 def qwen2_config(
-    shape: ModelShape, vocab_size: int = MODEL_VOCAB_SIZE, eos_id: int = VOCAB.index(EOS), pad_id: int = VOCAB.index(PAD), max_positions: int = 128
+    shape: ModelShape,
+    vocab_size: int = MODEL_VOCAB_SIZE,
+    eos_id: int = VOCAB.index(EOS),
+    pad_id: int = VOCAB.index(PAD),
+    max_positions: int = 128,
 ):
     """A small Qwen2 config (head_dim 32: vLLM's CPU attention rejects 16; 128 positions unless told)."""
     from transformers import Qwen2Config
@@ -142,7 +144,7 @@ def pad_batch(seqs: list[list[int]], masks: list[list[int]], pad_id: int):
 
 def _sft_batch(rng: random.Random, cfg: ToyBuildConfig, tokenizer):
     """Token ids [B, T], a loss mask on response tokens [B, T], padded right."""
-    from rl_specdec.environments.sorting import SortingTask
+    from rl_specdec.tasks.sorting import SortingTask
 
     task = SortingTask(cfg.min_len, cfg.max_len)
     seqs, masks = [], []
@@ -227,7 +229,9 @@ def build_pair(root: Path, cfg: PairBuildConfig, tokenizer, batches, log=print, 
         torch.manual_seed(cfg.seed + 1)
         drafter = Qwen2ForCausalLM(model_config(cfg.drafter))
         log(f"[toy] drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, distilled")
-        train_lm(drafter, batches, tokenizer.pad_token_id, cfg.lr, cfg.drafter_steps, cfg.seed + 1, teacher=policy, log=log)
+        train_lm(
+            drafter, batches, tokenizer.pad_token_id, cfg.lr, cfg.drafter_steps, cfg.seed + 1, teacher=policy, log=log
+        )
     finally:
         torch.set_num_threads(threads)
 

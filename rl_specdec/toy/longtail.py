@@ -1,4 +1,4 @@
-"""The long-tail toy pair: a policy and drafter for :mod:`rl_specdec.environments.longtail`.
+"""The long-tail toy pair: a policy and drafter for :mod:`rl_specdec.tasks.longtail`.
 
 Same architecture as the digit toy, with two differences the task needs:
 
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from rl_specdec.toy.build import EOS, PAD, ModelShape, PairBuildConfig, ToyModels, build_pair, cache_root, pad_batch, qwen2_config
+from rl_specdec.toy import build
+from rl_specdec.toy.build import EOS, PAD, ModelShape, PairBuildConfig, ToyModels
 
 LONGTAIL_BUILD_VERSION = 1
 MAX_POSITIONS = 512
@@ -35,7 +36,7 @@ FULL_EVERY = 4  # one batch in FULL_EVERY keeps its examples whole
 
 
 def _vocab() -> list[str]:
-    from rl_specdec.environments.longtail import BUDGET_MAX, number_token
+    from rl_specdec.tasks.longtail import BUDGET_MAX, number_token
 
     return [PAD, EOS] + list("0123456789=|") + [number_token(i) for i in range(BUDGET_MAX + 1)]
 
@@ -56,7 +57,7 @@ class LongTailToyConfig(PairBuildConfig):
     max_len: int = 8
 
     def task(self):
-        from rl_specdec.environments.longtail import LongTailSortTask
+        from rl_specdec.tasks.longtail import LongTailSortTask
 
         return LongTailSortTask(self.min_len, self.max_len)
 
@@ -74,7 +75,7 @@ def build_longtail_tokenizer():
 
 def _sft_batch(rng: random.Random, cfg: LongTailToyConfig, tokenizer, counter: list[int]):
     """Token ids [B, T] and a loss mask on response tokens [B, T]; see the module doc for the cut batches."""
-    from rl_specdec.environments.longtail import draw_budget, reference_response
+    from rl_specdec.tasks.longtail import draw_budget, reference_response
 
     task = cfg.task()
     full = counter[0] % FULL_EVERY == FULL_EVERY - 1
@@ -89,13 +90,13 @@ def _sft_batch(rng: random.Random, cfg: LongTailToyConfig, tokenizer, counter: l
             ids, mask = ids[:SHORT_TOKENS], mask[:SHORT_TOKENS]
         seqs.append(ids)
         masks.append(mask)
-    return pad_batch(seqs, masks, tokenizer.pad_token_id)
+    return build.pad_batch(seqs, masks, tokenizer.pad_token_id)
 
 
 def build_longtail_models(cfg: LongTailToyConfig | None = None, root: Path | None = None, log=print) -> ToyModels:
     """The long-tail pair's folders, built the first time (cached under its own key)."""
     cfg = cfg or LongTailToyConfig()
-    out = ToyModels(Path(root) if root else cache_root() / "toy-longtail" / cfg.key())
+    out = ToyModels(Path(root) if root else build.cache_root() / "toy-longtail" / cfg.key())
     if not (out.root / "DONE").exists():
         _build(out.root, cfg, log)
     return out
@@ -106,11 +107,11 @@ def _build(root: Path, cfg: LongTailToyConfig, log) -> None:
     log(f"[toy] building the long-tail policy and drafter into {root} (first run only, ~3 min)")
     counter = [0]  # batches drawn so far: every FULL_EVERY-th keeps its examples whole
     vocab, eos, pad = model_vocab_size(), tokenizer.eos_token_id, tokenizer.pad_token_id
-    build_pair(
+    build.build_pair(
         root,
         cfg,
         tokenizer,
         lambda rng: _sft_batch(rng, cfg, tokenizer, counter),
         log,
-        lambda shape: qwen2_config(shape, vocab, eos, pad, max_positions=MAX_POSITIONS),
+        lambda shape: build.qwen2_config(shape, vocab, eos, pad, max_positions=MAX_POSITIONS),
     )

@@ -1,6 +1,6 @@
 """A toy tokenizer, chat template, policy and drafter that write hermes-style tool calls.
 
-For the lookup task (:mod:`rl_specdec.environments.lookup`). One episode, as
+For the lookup task (:mod:`rl_specdec.tasks.lookup`). One episode, as
 the model sees it after splicing (one line in reality; ``|`` marks the
 model's two turns, which SFT trains on)::
 
@@ -37,7 +37,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from rl_specdec.toy.build import EOS, PAD, ModelShape, PairBuildConfig, ToyModels, build_pair, cache_root, pad_batch, qwen2_config
+from rl_specdec.toy.build import (
+    EOS,
+    PAD,
+    ModelShape,
+    PairBuildConfig,
+    ToyModels,
+    build_pair,
+    cache_root,
+    pad_batch,
+    qwen2_config,
+)
 
 TOOL_BUILD_VERSION = 2
 TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tools>", "</tools>"]
@@ -51,14 +61,16 @@ MAX_LEN = 128
 # splice counts); a tool result is wrapped in <tool_response>. No generation prompt:
 # the model answers after "=" or after </tool_response>.
 TOOL_CHAT_TEMPLATE = (
-    "{%- if tools -%}<tools>{%- for t in tools -%}{{ t['function']['name'] }}{%- if not loop.last -%},{%- endif -%}{%- endfor -%}</tools>{%- endif -%}"
+    "{%- if tools -%}<tools>{%- for t in tools -%}{{ t['function']['name'] }}"
+    "{%- if not loop.last -%},{%- endif -%}{%- endfor -%}</tools>{%- endif -%}"
     "{%- for m in messages -%}"
     "{%- if m['role'] == 'user' -%}{{ m['content'] }}="
     "{%- elif m['role'] == 'assistant' -%}"
     "{%- if m['content'] -%}{{ m['content'] }}{%- endif -%}"
     "{%- for tc in (m['tool_calls'] or []) -%}"
     '<tool_call>\n{"name": "{{ tc[\'function\'][\'name\'] }}", "arguments": '
-    "{{ tc['function']['arguments'] if tc['function']['arguments'] is string else (tc['function']['arguments'] | tojson) }}"
+    "{{ tc['function']['arguments'] if tc['function']['arguments'] is string "
+    "else (tc['function']['arguments'] | tojson) }}"
     "}\n</tool_call>"
     "{%- endfor -%}{{ eos_token }}"
     "{%- elif m['role'] == 'tool' -%}<tool_response>{{ m['content'] }}</tool_response>"
@@ -80,7 +92,7 @@ class ToolToyConfig(PairBuildConfig):
     batch_size: int = 32
 
     def task(self):
-        from rl_specdec.environments.lookup import LookupTask
+        from rl_specdec.tasks.lookup import LookupTask
 
         return LookupTask(self.key_len, self.value_len, self.num_keys)
 
@@ -126,7 +138,7 @@ def sft_example(tok, episode, guess: str | None = None) -> tuple[list[int], list
     With ``guess``, the model answers it at once without calling the tool (the
     behaviour RL has to train away: a guessed value is almost never right).
     """
-    from rl_specdec.environments.lookup import model_tool_call
+    from rl_specdec.tasks.lookup import model_tool_call
 
     prompt = ("<tools>lookup</tools>" + episode.key + "=", 0)
     if guess is not None:

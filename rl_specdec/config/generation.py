@@ -1,0 +1,92 @@
+"""Settings of the generation side (the ``policy.generation`` and ``cluster`` keys)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ClusterConfig:
+    """Where Ray runs. ``address=None`` starts a local Ray instance."""
+
+    address: Optional[str] = None  # e.g. "auto" or "ray://head:10001" to join an existing cluster
+    num_cpus: Optional[int] = None  # CPUs for a local Ray instance (default: all)
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+
+
+@dataclass
+class DrafterTrainingConfig:
+    """Online distillation of a draft_model drafter towards the policy (rl_specdec.drafter)."""
+
+    enabled: bool = False
+    learning_rate: float = 1e-3
+    steps_per_update: int = 1  # optimizer steps on each training step's rollouts
+    every: int = 1  # train and refit the drafter every N GRPO steps
+    top_k: int = 8  # policy log-probs per generated token, returned by vLLM with the rollouts (<= 20)
+    micro_batch_size: int = 128
+    # train on at most this many of a step's rollouts (a random subset, seeded by the step); 0: all.
+    # The drafter's training competes with the policy's for the same cores on CPU: this bounds its cost.
+    max_sequences: int = 0
+    overlap: bool = True  # train in the drafter's own actor while the policy updates
+
+
+@dataclass
+class CanaryConfig:
+    """Acceptance collapse right after a refit: see rl_specdec.drafter.canary."""
+
+    action: str = "warn"  # warn | disable (speculation off for the rest of the run) | fail
+    min_ratio: float = 0.5  # trips below min_ratio x the running median acceptance rate
+    window: int = 20  # healthy steps in the running median
+
+
+@dataclass
+class SpeculationControlConfig:
+    """k chosen while the engine runs: see rl_specdec.rollout.runtime_k.engine_args (draft_model only)."""
+
+    mode: str = "off"  # off (vLLM's own k or schedule) | fixed (k settable at run time) | adaptive (the controller)
+    k_max: Optional[int] = None  # the most k may be; default: speculative_config.num_speculative_tokens
+    k0_fast_path: bool = True  # k=0 steps skip the drafter (catch-up later); false: vLLM's own path (slower, correct)
+    buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # batch-size bucket lower bounds
+    explore: float = 0.03  # fraction of steps that try another k (adaptive)
+    explore_steps: int = 4  # steps per exploration burst
+    min_gain: float = 0.1  # a k>0 must be measured this much faster than k=0 in its bucket (adaptive)
+    memory_steps: int = 200  # the step-cost model forgets with this horizon (steps)
+    acceptance_memory: int = 2000  # the acceptance estimate forgets with this horizon (drafts)
+
+
+@dataclass
+class GenerationConfig:
+    """One data-parallel group of vLLM engines."""
+
+    num_engines: int = 1
+    cpus_per_engine: int = 1  # CPU bundle per engine (also the cores bound to its OpenMP threads)
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    # Sample the first batch with top-k log-probs at start-up and refuse to
+    # continue if the emitted tokens are not distributed as the policy says.
+    self_check: bool = True
+    # Environment variables of each engine's process, set when the process starts (Ray
+    # runtime_env), so LD_PRELOAD and OpenMP settings take effect.
+    env_vars: dict[str, str] = field(default_factory=dict)
+    # vLLM may run a setting other than the one asked for (on CPU it turns async_scheduling
+    # off). false: warn once per such setting; true: stop before the first step.
+    strict_engine_settings: bool = False
+    # rl_specdec's engine hooks are written for one vLLM release (rl_specdec.vllm_ext.WRITTEN_FOR); another
+    # release stops the run at start-up unless this is true (a hook that moved stops it regardless).
+    allow_untested_vllm: bool = False
+    drafter_training: DrafterTrainingConfig = field(default_factory=DrafterTrainingConfig)
+    acceptance_canary: CanaryConfig = field(default_factory=CanaryConfig)
+    speculation_control: SpeculationControlConfig = field(default_factory=SpeculationControlConfig)
+    # Passed to vllm.LLM(...) as-is (speculative_config included), after validation.
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def runtime_k_on(self) -> bool:
+        """Run-time k is installed: ``speculation_control`` is on and the engines speculate."""
+        return self.speculation_control.mode != "off" and self.vllm_kwargs.get("speculative_config") is not None
+
+    def vllm_hook_features(self, server: bool = False) -> tuple[str, ...]:
+        """The groups of vLLM hooks an engine with these settings uses (``rl_specdec.vllm_ext.FEATURES``)."""
+        return ("core",) + (("runtime_k",) if self.runtime_k_on() else ()) + (("server",) if server else ())

@@ -1,0 +1,151 @@
+"""Load-time checks of the speculation keys of ``policy.generation``: the acceptance canary, online
+drafter training, and run-time k (``speculation_control``).
+
+Each error names the key and the fix. Nothing here needs vLLM: the checks of ``vllm_kwargs`` against
+vLLM's own declarations are in :mod:`rl_specdec.config.vllm_kwargs`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl_specdec.config.generation import GenerationConfig, SpeculationControlConfig
+from rl_specdec.errors import ConfigError
+
+KEY = "policy.generation"
+CONTROL_KEY = f"{KEY}.speculation_control"
+CONTROL_MODES = ("off", "fixed", "adaptive")
+
+# Why online drafter training covers draft_model only (docs/speculative_decoding.md, "The drafter's lifecycle").
+NOT_TRAINABLE = {
+    "ngram": "proposes from the prompt and history: there is no drafter model to train",
+    "ngram_gpu": "proposes from the prompt and history: there is no drafter model to train",
+    "suffix": "proposes from a suffix tree of past outputs: there is no drafter model to train",
+    "eagle": "trains on the target's hidden states, which vLLM's rollouts do not return; refit a head trained "
+    "elsewhere",
+    "eagle3": "trains on the target's hidden states, which vLLM's rollouts do not return; refit a head trained "
+    "elsewhere",
+    "mtp": "its heads are part of the policy checkpoint and are refit with the policy",
+}
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    if value is None or value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def configured_k(spec: dict[str, Any]) -> int:
+    """The k speculative_config asks for: num_speculative_tokens, else its schedule's largest k."""
+    if spec.get("num_speculative_tokens") is not None:
+        return int(spec["num_speculative_tokens"])
+    return max(int(e[2]) for e in spec.get("num_speculative_tokens_per_batch_size") or [[1, 1, 1]])
+
+
+def validate_speculation(gen: GenerationConfig) -> None:
+    """The canary, run-time k and drafter training: values, and whether the method supports them."""
+    c = gen.acceptance_canary
+    if c.action not in ("warn", "disable", "fail"):
+        raise ConfigError(f"{KEY}.acceptance_canary.action={c.action!r} must be warn, disable or fail")
+    if not 0 < c.min_ratio < 1:
+        raise ConfigError(
+            f"{KEY}.acceptance_canary.min_ratio={c.min_ratio} must be in (0, 1); 0.5 trips at half the usual acceptance"
+        )
+    _positive(f"{KEY}.acceptance_canary.window", c.window)
+    validate_speculation_control(gen)
+    validate_drafter_training(gen)
+
+
+def validate_drafter_training(gen: GenerationConfig) -> None:
+    d = gen.drafter_training
+    if not d.enabled:
+        return
+    for name in ("learning_rate", "steps_per_update", "every", "micro_batch_size"):
+        _positive(f"{KEY}.drafter_training.{name}", getattr(d, name))
+    if d.max_sequences < 0:
+        raise ConfigError(
+            f"{KEY}.drafter_training.max_sequences={d.max_sequences} must be >= 0 (0 trains on every rollout of the "
+            "step)"
+        )
+    if not 1 <= d.top_k <= 20:
+        raise ConfigError(
+            f"{KEY}.drafter_training.top_k={d.top_k} must be in 1..20 (vLLM returns at most 20 log-probs per token)"
+        )
+    method = (gen.vllm_kwargs.get("speculative_config") or {}).get("method")
+    if method is None:
+        raise ConfigError(
+            f"{KEY}.drafter_training.enabled=true needs speculation: set {KEY}.vllm_kwargs.speculative_config "
+            "(method: draft_model)"
+        )
+    if method != "draft_model":
+        why = NOT_TRAINABLE.get(method, "is not a draft_model drafter")
+        raise ConfigError(
+            f"{KEY}.drafter_training.enabled=true with speculative_config.method={method!r}: {method} {why}. "
+            f"Online drafter training needs method: draft_model; set {KEY}.drafter_training.enabled=false for {method}."
+        )
+
+
+def validate_speculation_control(gen: GenerationConfig) -> None:
+    """Run-time k: its numbers, and an engine it can run in (draft_model, a UniProc executor, no async scheduling)."""
+    c = gen.speculation_control
+    if str(c.mode).lower() == "false":  # YAML 1.1 reads a bare `off` as false
+        c.mode = "off"
+    if c.mode not in CONTROL_MODES:
+        raise ConfigError(f"{CONTROL_KEY}.mode={c.mode!r} must be one of {', '.join(CONTROL_MODES)}.")
+    if c.mode == "off":
+        return
+    _check_control_engine(gen)
+    _check_control_numbers(c, configured_k(gen.vllm_kwargs["speculative_config"]))
+
+
+def _check_control_numbers(c: SpeculationControlConfig, k: int) -> None:
+    key = CONTROL_KEY
+    if c.k_max is not None and c.k_max < k:
+        raise ConfigError(
+            f"{key}.k_max={c.k_max} is below speculative_config's k ({k}); raise k_max to at least {k} "
+            "or lower speculative_config.num_speculative_tokens."
+        )
+    b = list(c.buckets)
+    if not b or b[0] != 1 or any(y <= x for x, y in zip(b, b[1:])):
+        raise ConfigError(
+            f"{key}.buckets={b} must be increasing batch sizes starting at 1, e.g. [1, 2, 4, 8, 16, 32, 64]."
+        )
+    if not 0 <= c.explore <= 0.5:
+        raise ConfigError(
+            f"{key}.explore={c.explore} must be in [0, 0.5] (the fraction of steps that try another k; 0.03 is "
+            "typical)."
+        )
+    if not 0 <= c.min_gain <= 1:
+        raise ConfigError(
+            f"{key}.min_gain={c.min_gain} must be in [0, 1] "
+            "(how much faster a k>0 must measure than k=0; 0.1 is the default)."
+        )
+    for name, low in (("explore_steps", 1), ("memory_steps", 10), ("acceptance_memory", 10)):
+        if getattr(c, name) < low:
+            raise ConfigError(f"{key}.{name}={getattr(c, name)} must be >= {low}.")
+
+
+def _check_control_engine(gen: GenerationConfig) -> None:
+    kw, mode, key = gen.vllm_kwargs, gen.speculation_control.mode, CONTROL_KEY
+    spec = kw.get("speculative_config")
+    if spec is None:
+        raise ConfigError(
+            f"{key}.mode={mode} needs speculation: set {KEY}.vllm_kwargs.speculative_config (method: draft_model), "
+            "or mode=off."
+        )
+    if spec.get("method") != "draft_model":
+        raise ConfigError(
+            f"{key}.mode={mode} with speculative_config.method={spec.get('method')!r}: run-time k, its k=0 fast path "
+            "and the drafter catch-up are built for draft_model only. Use method: draft_model, or mode=off."
+        )
+    if kw.get("async_scheduling"):
+        raise ConfigError(
+            f"{key}.mode={mode} cannot run with vllm_kwargs.async_scheduling=true (its scheduler is the synchronous "
+            "one); set async_scheduling=false or mode=off."
+        )
+    multi = int(kw.get("tensor_parallel_size") or 1) * int(kw.get("pipeline_parallel_size") or 1) > 1
+    if multi or kw.get("distributed_executor_backend") not in (None, "uni"):
+        raise ConfigError(
+            f"{key}.mode={mode} needs the engine's worker in the engine core's process (a UniProc executor): remove "
+            "tensor_parallel_size/pipeline_parallel_size/distributed_executor_backend from vllm_kwargs, or set "
+            "mode=off."
+        )

@@ -1,0 +1,212 @@
+"""Load-time checks of ``vllm_kwargs`` and its ``speculative_config``.
+
+The checks use vLLM's own declarations where it has them (the ``SpeculativeMethod``
+literal, ``SpeculativeConfig``'s fields, ``EngineArgs``' fields), so a new vLLM
+method passes through without a change here. Each error names the key and the
+fix. The result is the dict handed to ``vllm.LLM``, with two RL defaults filled in:
+
+* ``draft_sample_method: probabilistic`` for methods with a drafter model: at
+  temperature 1 a greedy draft is accepted only with the target's probability
+  of its argmax token, so a good drafter pays only with probabilistic drafting;
+* ``draft_load_config: {load_format: auto}`` when the policy starts from
+  ``load_format: dummy``: vLLM loads the drafter with the target's load config
+  unless told otherwise, and refit only ever overwrites the target.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from rl_specdec.errors import ConfigError
+from rl_specdec.vllm_ext import declarations
+
+# Engine arguments rl_specdec sets itself, and why.
+RL_SPECDEC_OWNED = {
+    "model": "policy.model_name",
+    "seed": "the run's seed",
+    "worker_extension_cls": "its engine extension, rl_specdec.rollout.engine_ext",
+    "disable_log_stats": "spec-decode metrics need stat logging",
+    "per_request_spec_decode_metrics": "each call's spec-decode counters come from it",
+    "scheduler_cls": "policy.generation.speculation_control (run-time k needs its scheduler class)",
+}
+# Methods whose proposer is a separate model given in speculative_config.model.
+DRAFTER_METHODS = {"draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "dflash", "dspark"}
+# Methods that propose without any model (the prompt/history is the drafter).
+MODEL_FREE_METHODS = {"ngram", "ngram_gpu", "suffix"}
+# vLLM 0.32: async scheduling runs with these speculation methods only (vllm/config/vllm.py).
+ASYNC_SCHED_OK = {"draft_model", "ngram_gpu", "dspark", "dflash", "eagle", "eagle3", "extract_hidden_states"}
+
+
+def _local_vocab_size(path: str) -> int | None:
+    """vocab_size from a local model folder's config.json; None if not a local folder."""
+    cfg = Path(os.path.expanduser(path)) / "config.json"
+    if not cfg.is_file():
+        return None
+    data = json.loads(cfg.read_text())
+    if "vocab_size" not in data and "text_config" in data:
+        data = data["text_config"]
+    return data.get("vocab_size")
+
+
+def validate_vllm_kwargs(
+    vllm_kwargs: dict[str, Any] | None,
+    policy_model: str,
+    *,
+    key: str = "policy.generation.vllm_kwargs",
+    training: bool = True,
+) -> dict[str, Any]:
+    """Check ``vllm_kwargs`` and return the dict to pass to ``vllm.LLM``."""
+    # null means "vLLM's default" (and speculative_config: null means no speculation)
+    kw = {k: v for k, v in (vllm_kwargs or {}).items() if v is not None}
+    known = declarations.engine_arg_names()
+    for k in kw:
+        if k not in known:
+            close = difflib.get_close_matches(k, sorted(known), n=3, cutoff=0.6)
+            raise ConfigError(
+                f"{key}.{k} is not a vLLM engine argument. "
+                + (f"Did you mean {close}? " if close else "")
+                + "See vllm.engine.arg_utils.EngineArgs for the accepted names."
+            )
+    for k, by in RL_SPECDEC_OWNED.items():
+        if k in kw:
+            raise ConfigError(f"{key}.{k} is set by rl_specdec ({by}); remove it from vllm_kwargs.")
+    gmu = kw.get("gpu_memory_utilization")
+    if gmu is not None and not (0.0 < float(gmu) <= 1.0):
+        raise ConfigError(f"{key}.gpu_memory_utilization={gmu} must be in (0, 1].")
+
+    spec = kw.get("speculative_config")
+    if spec is None:
+        return kw
+    kw["speculative_config"] = validate_speculative_config(
+        dict(spec),
+        policy_model,
+        key=f"{key}.speculative_config",
+        training=training,
+        policy_load_format=kw.get("load_format", "auto"),
+        async_scheduling=kw.get("async_scheduling"),
+    )
+    return kw
+
+
+def _check_schedule(schedule: Any, k_tokens: Any, key: str) -> tuple[list[list[int]], int]:
+    """vLLM's batch-size schedule for k, checked with vLLM's own parser; returns it and the k it needs.
+
+    vLLM silently caps every scheduled k at ``num_speculative_tokens``, so a
+    schedule asking for more is an error here rather than a quiet no-op.
+    """
+    sk = f"{key}.num_speculative_tokens_per_batch_size"
+    try:
+        parsed = declarations.parse_speculation_schedule(
+            [list(e) if isinstance(e, (list, tuple)) else e for e in schedule]
+        )
+    except (ValueError, TypeError) as e:
+        raise ConfigError(
+            f"{sk}: {e} Write it as a list of [first_batch_size, last_batch_size, k] ranges starting at 1, "
+            "e.g. [[1, 16, 5], [17, 64, 3], [65, 1024, 2]]."
+        ) from None
+    k_max = max(k for _, _, k in parsed)
+    if k_tokens is None:
+        k_tokens = k_max
+    elif k_max > int(k_tokens):
+        raise ConfigError(
+            f"{sk} asks for k={k_max} but {key}.num_speculative_tokens={k_tokens} caps every scheduled k; "
+            f"set {key}.num_speculative_tokens={k_max} (or drop it: it defaults to the schedule's largest k)."
+        )
+    if k_max < 1:
+        raise ConfigError(f"{sk} never speculates (every k is 0); set {key}=null to turn speculation off.")
+    return [list(e) for e in parsed], int(k_tokens)
+
+
+def _check_method(spec: dict[str, Any], key: str) -> str:
+    """The method is one vLLM declares, and every key is a field of vLLM's SpeculativeConfig."""
+    methods = declarations.speculative_methods()
+    method = spec.get("method")
+    if method is None:
+        raise ConfigError(f"{key}.method is missing; set it to one of {methods}.")
+    if method not in methods:
+        raise ConfigError(f"{key}.method={method!r} is not a vLLM speculative method; use one of {methods}.")
+    known = declarations.speculative_config_fields()
+    for k in spec:
+        if k not in known:
+            raise ConfigError(f"{key}.{k} is not a field of vLLM's SpeculativeConfig; remove it or fix the spelling.")
+    return method
+
+
+def _check_drafter(spec: dict[str, Any], method: str, policy_model: str, key: str) -> None:
+    """A drafter model where the method needs one (none where it uses none), with the policy's vocabulary."""
+    if method in DRAFTER_METHODS and not spec.get("model"):
+        raise ConfigError(
+            f"{key}.model is missing: method {method!r} needs a drafter; set {key}.model to its path or hub id."
+        )
+    if method in MODEL_FREE_METHODS and spec.get("model"):
+        raise ConfigError(f"{key}.model is set but method {method!r} uses no drafter model; remove {key}.model.")
+    if method != "draft_model" or spec.get("use_heterogeneous_vocab", False):
+        return
+    drafter_vocab, policy_vocab = _local_vocab_size(spec["model"]), _local_vocab_size(policy_model)
+    if drafter_vocab is not None and policy_vocab is not None and drafter_vocab != policy_vocab:
+        raise ConfigError(
+            f"{key}.model ({spec['model']}) has vocab_size {drafter_vocab} but the policy "
+            f"({policy_model}) has {policy_vocab}: the drafter cannot serve this target. "
+            "Use a drafter from the same model family (same tokenizer), e.g. a smaller Qwen3 for a Qwen3 policy."
+        )
+    if drafter_vocab is None or policy_vocab is None:
+        warnings.warn(
+            f"{key}: the drafter/policy vocabularies were not compared (not local folders); "
+            "vLLM checks them when the engine starts.",
+            stacklevel=3,
+        )
+
+
+def validate_speculative_config(
+    spec: dict[str, Any],
+    policy_model: str,
+    *,
+    key: str = "speculative_config",
+    training: bool = True,
+    policy_load_format: str = "auto",
+    async_scheduling: bool | None = None,
+) -> dict[str, Any]:
+    spec = {k: v for k, v in spec.items() if v is not None}  # a key set to null is unset (model=null after ngram)
+    method = _check_method(spec, key)
+    k_tokens = spec.get("num_speculative_tokens")
+    schedule = spec.get("num_speculative_tokens_per_batch_size")
+    if k_tokens is None and not schedule:
+        raise ConfigError(f"{key}.num_speculative_tokens is missing; set it to the number of drafted tokens, e.g. 3.")
+    if k_tokens is not None and int(k_tokens) < 1:
+        raise ConfigError(
+            f"{key}.num_speculative_tokens={k_tokens} must be >= 1 (3 is a good start); to turn speculation off set "
+            f"{key}=null."
+        )
+    if schedule is not None:
+        schedule, k_tokens = _check_schedule(schedule, k_tokens, key)
+    needs_model = method in DRAFTER_METHODS
+    _check_drafter(spec, method, policy_model, key)
+
+    rsm = spec.get("rejection_sample_method", "standard")
+    if rsm == "synthetic" and training:
+        raise ConfigError(
+            f"{key}.rejection_sample_method='synthetic' fakes acceptance for benchmarking and changes "
+            "what is sampled; it must not be used for training. Remove it (the default is 'standard')."
+        )
+
+    if async_scheduling and method not in ASYNC_SCHED_OK and method not in declarations.mtp_methods():
+        raise ConfigError(
+            f"vllm_kwargs.async_scheduling=true cannot be combined with {key}.method={method!r} in vLLM 0.32 "
+            f"(async scheduling supports {sorted(ASYNC_SCHED_OK)} and MTP). Set async_scheduling=false "
+            "or use one of those methods."
+        )
+
+    out = dict(spec)
+    if schedule is not None:
+        out["num_speculative_tokens_per_batch_size"] = schedule
+        out["num_speculative_tokens"] = k_tokens
+    if needs_model or method in declarations.mtp_methods():
+        out.setdefault("draft_sample_method", "probabilistic")
+    if needs_model and policy_load_format == "dummy" and "draft_load_config" not in out:
+        out["draft_load_config"] = {"load_format": "auto"}
+    return out

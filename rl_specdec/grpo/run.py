@@ -1,0 +1,147 @@
+"""A GRPO run's parts and their life: start them, restore a checkpoint, record what runs, stop them.
+
+:func:`setup` builds a :class:`GRPORun`: the metrics logger (first, so a bad
+wandb setting fails in seconds), Ray, the engine group, the policy group and
+the drafter's upkeep; then it restores the newest intact checkpoint when
+resuming, and loads the trainer's weights into every engine before the first
+rollout.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rl_specdec.config import RunConfig, check_cluster_resources, to_dict
+from rl_specdec.drafter.upkeep import DrafterUpkeep
+from rl_specdec.errors import GenerationEngineDied, PolicyWorkerDied
+from rl_specdec.grpo.checkpoint import CheckpointManager
+from rl_specdec.grpo.loss import ClippedPGLoss
+from rl_specdec.metrics.logger import MetricsLogger, Timer
+from rl_specdec.policy import PolicyInterface
+from rl_specdec.rollout import RolloutEngine
+from rl_specdec.tasks import Task, make_task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GRPORun:
+    """Everything a run holds (instead of a long tuple)."""
+
+    cfg: RunConfig
+    tokenizer: Any
+    task: Task
+    policy: PolicyInterface
+    generation: RolloutEngine
+    metrics: MetricsLogger
+    checkpoints: CheckpointManager | None
+    loss_fn: ClippedPGLoss
+    timer: Timer
+    drafter: DrafterUpkeep
+    start_step: int = 0
+
+    def shutdown(self) -> None:
+        """Stop the engines, the policy workers and the drafter, in that order, and close the logger."""
+        from ray.exceptions import RayActorError
+
+        self.metrics.finish()
+        for name, part in (("engines", self.generation), ("policy", self.policy), ("drafter", self.drafter)):
+            try:
+                part.shutdown()
+            except (RayActorError, GenerationEngineDied, PolicyWorkerDied) as e:  # dead already: nothing to stop
+                logger.info("the %s were already gone at shutdown (%s)", name, type(e).__name__)
+
+
+def setup(cfg: RunConfig) -> GRPORun:
+    """Start the logger, Ray, the engines and the policy; sync weights; restore a checkpoint if resuming."""
+    from transformers import AutoTokenizer
+
+    ckpt_dir = cfg.checkpoint.dir or str(Path(cfg.logger.log_dir) / "checkpoints")
+    checkpoints = CheckpointManager(ckpt_dir, cfg.checkpoint.keep) if cfg.checkpoint.enabled else None
+    latest = checkpoints.latest() if (checkpoints and cfg.resume) else None
+    if cfg.resume and latest is None:
+        logger.warning("resume=true but no checkpoint in %s: starting from step 0", ckpt_dir)
+    # first, so that a bad wandb setting fails in seconds, before any engine starts
+    metrics = MetricsLogger(cfg.logger.log_dir, to_dict(cfg), cfg.logger.wandb, resume=latest is not None)
+    try:
+        generation, policy, drafter = _start_workers(cfg)
+    except BaseException:
+        metrics.finish()
+        raise
+    run = GRPORun(
+        cfg,
+        AutoTokenizer.from_pretrained(cfg.policy.model_name),
+        make_task(cfg.task.name, **cfg.task.kwargs),
+        policy,
+        generation,
+        metrics,
+        checkpoints,
+        ClippedPGLoss(cfg.grpo.clip_eps, cfg.grpo.kl_coef),
+        Timer(),
+        drafter,
+    )
+    try:
+        record_environment(run)
+        if latest is not None:
+            run.start_step = _resume(run, *latest)
+        # the engines hold exactly the trainers' weights before the first rollout (dummy-loaded or not)
+        generation.update_weights_buckets(policy.state_dict_buckets())
+        drafter.sync(generation)
+    except BaseException:
+        run.shutdown()
+        raise
+    return run
+
+
+def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface, DrafterUpkeep]:
+    from rl_specdec.policy import PolicyGroup
+    from rl_specdec.rollout.group import VllmGeneration
+    from rl_specdec.rollout.placement import cluster_has_gpus, init_ray
+
+    init_ray(cfg.cluster)
+    import ray
+
+    check_cluster_resources(
+        cfg, ray.cluster_resources()
+    )  # more GPUs/CPUs than the cluster has: fail before any actor starts
+    generation = VllmGeneration(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
+    try:
+        policy = PolicyGroup(cfg.policy, keep_reference=cfg.grpo.kl_coef > 0 or cfg.grpo.log_kl, seed=cfg.seed)
+        drafter = DrafterUpkeep.create(cfg, cluster_has_gpus())
+    except BaseException:
+        generation.shutdown()
+        raise
+    return generation, policy, drafter
+
+
+def record_environment(run: GRPORun) -> None:
+    """sysinfo.txt and engine.yaml in the log folder, the engines' settings in wandb (engine/), one console line."""
+    from omegaconf import OmegaConf
+
+    from rl_specdec.rollout.engine_settings import summary_line
+    from rl_specdec.sysinfo import report
+
+    gen = run.generation
+    run.metrics.write_file("sysinfo.txt", report())
+    engines = [
+        dict(info["settings"], engine=i, host=p["host"], cores=info["cpu_bind"])
+        for i, (info, p) in enumerate(zip(gen.engine_info, gen.placements))
+    ]
+    run.metrics.write_file("engine.yaml", OmegaConf.to_yaml({"engines": engines}))
+    run.metrics.add_config({"engine": gen.settings})
+    logger.info("%s", summary_line(gen.settings, len(engines)))
+
+
+def _resume(run: GRPORun, path: Path, state: dict[str, Any]) -> int:
+    """Load the checkpoint's policy; keep metrics.jsonl up to its step (restoring that step's row)."""
+    run.policy.load_checkpoint(str(path / "policy"))
+    run.drafter.load(path)
+    step = int(state["step"])
+    run.metrics.truncate_after(step)
+    if state.get("metrics") and step not in run.metrics.logged_steps():
+        run.metrics.log(state["metrics"], step=step)  # saved with the checkpoint, lost by a crash before logging
+    logger.info("resumed from %s (step %d)", path, step)
+    return step

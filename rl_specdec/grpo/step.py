@@ -1,0 +1,188 @@
+"""One GRPO step with speculative rollouts, phase by phase.
+
+Group Relative Policy Optimization, one step at a time (:func:`grpo_step`):
+
+1. **prompts**: take P problems from the task (deterministic in the step
+   number, so a resumed run sees exactly the batches it would have seen);
+2. **rollouts**: sample G responses per prompt from the vLLM engines. With
+   speculation on, a drafter proposes k tokens and the policy verifies them in
+   one pass; with probabilistic drafting and standard rejection sampling the
+   emitted tokens are distributed exactly as plain sampling from the policy,
+   and their log-probs are the policy's. Each engine returns its own
+   spec-decode counters for this call, so ``spec_decode/*`` describe this
+   step's requests only; with ``speculation_control`` on, each engine's
+   controller chooses k between engine steps and reports its decisions;
+3. **rewards** from the task's verifier;
+4. **advantages**: each reward minus its group's mean, over the group's std;
+5. **policy update**: one optimizer step on the clipped policy-gradient loss,
+   whose importance ratio is taken against the generation log-probs (plus an
+   optional KL to the initial policy). The gap between training and generation
+   log-probs is logged: it is the on-policy check;
+6. **refit**: the new weights go into every engine's target model;
+7. **validation** every N steps (greedy, held-out problems).
+
+The loop around it (:mod:`rl_specdec.grpo.loop`) logs one row per step and
+checkpoints; the run's parts are set up in :mod:`rl_specdec.grpo.run`. A
+step is a pure function of the run's seed and the step number (problems and
+sampling seeds), so a resumed run sees exactly the batches it would have seen.
+
+Only token ids cross the generation boundary; text exists only where the task
+verifies answers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rl_specdec.grpo.advantages import group_advantages
+from rl_specdec.grpo.batch import Trajectory, build_train_batch, select_for_training
+from rl_specdec.grpo.run import GRPORun
+from rl_specdec.metrics import compute_spec_decode_metrics
+from rl_specdec.rollout import GenerationOutput, SamplingSettings
+from rl_specdec.rollout.runtime_k.metrics import control_metrics
+from rl_specdec.tasks import Sample
+
+logger = logging.getLogger(__name__)
+
+SEED_STRIDE = 1_000_003  # prime: the seeds of two runs (seed, seed + 1) never meet for step < 1e6
+STEP_SAMPLING_STRIDE = 10_007  # prime: a step's sampling seeds (this + i for request i) stay apart from the next step's
+VAL_SEED = 10**9 + 7  # held-out problems: a seed no training step reaches
+SAMPLING_CHECK_SEED = VAL_SEED + 1  # the start-up sampling check's problems
+
+
+def prompt_seed(seed: int, step: int) -> int:
+    """The task's seed for step ``step``'s problems: a pure function of the run's seed and the step."""
+    return seed * SEED_STRIDE + step
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """The engines' seed for step ``step``'s rollouts (request i is sampled with this + i)."""
+    return seed * SEED_STRIDE + step * STEP_SAMPLING_STRIDE
+
+
+def step_prompts(run: GRPORun, step: int) -> list[Sample]:
+    return run.task.make_batch(seed=prompt_seed(run.cfg.seed, step), n=run.cfg.grpo.num_prompts_per_step)
+
+
+def decode_response(tokenizer, ids: list[int], finish_reason: str) -> str:
+    if finish_reason == "stop" and ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def score(run: GRPORun, samples: list[Sample], out: GenerationOutput) -> tuple[torch.Tensor, torch.Tensor]:
+    """rewards [N], correct [N] for responses aligned with ``samples``."""
+    rewards, correct = [], []
+    for s, ids, reason in zip(samples, out.token_ids, out.finish_reasons):
+        r = run.task.score(decode_response(run.tokenizer, ids, reason), s.answer, reason == "stop")
+        rewards.append(r.reward)
+        correct.append(float(r.correct))
+    return torch.tensor(rewards), torch.tensor(correct)
+
+
+def evaluate(run: GRPORun) -> dict[str, float]:
+    """Greedy decoding on held-out problems: ``val/reward`` and ``val/accuracy``."""
+    samples = run.task.validation_batch(seed=VAL_SEED, n=run.cfg.grpo.val_num_prompts)
+    prompt_ids = [run.tokenizer.encode(s.prompt) for s in samples]
+    out = run.generation.generate(prompt_ids, SamplingSettings.from_config(run.cfg.policy.generation, temperature=0.0))
+    rewards, correct = score(run, samples, out)
+    return {"val/reward": rewards.mean().item(), "val/accuracy": correct.mean().item()}
+
+
+def sampling_check(run: GRPORun) -> dict[str, float]:
+    """Refuse to train if sampled tokens are not distributed as the policy says (rollout/sampling_guard.py)."""
+    n = run.cfg.grpo.self_check_prompts
+    if not run.cfg.policy.generation.self_check or n == 0:
+        return {}
+    samples = run.task.validation_batch(seed=SAMPLING_CHECK_SEED, n=n)
+    prompt_ids = [run.tokenizer.encode(s.prompt) for s in samples] * 4
+    report = run.generation.check_sampling(
+        prompt_ids, max_tokens=run.cfg.policy.generation.max_new_tokens, seed=run.cfg.seed
+    )
+    logger.info("sampling self-check passed: %s", report.summary())
+    return {
+        "self_check/p_value": report.p_value,
+        "self_check/chi2": report.chi2,
+        "self_check/num_tokens": float(report.num_tokens),
+    }
+
+
+def due(step: int, every: int, last: int) -> bool:
+    """Whether something that runs every ``every`` steps (and at the last one) runs after ``step`` steps."""
+    return bool(every) and (step % every == 0 or step == last)
+
+
+def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
+    """One GRPO step (0-based ``step``): phases 1-7; returns the step's metrics."""
+    g, timer = run.cfg.grpo, run.timer
+    G = g.num_generations_per_prompt
+
+    with timer("prompts"):  # 1. P problems, each repeated G times (prompt-major)
+        samples = step_prompts(run, step)
+        group_samples = [s for s in samples for _ in range(G)]  # [P*G]
+        prompt_ids = [ids for s in samples for ids in [run.tokenizer.encode(s.prompt)] * G]  # [P*G]
+
+    with timer("generation"):  # 2. rollouts; the call's spec-decode counters come with them
+        seed = sampling_seed(run.cfg.seed, step)
+        sampling = SamplingSettings.from_config(run.cfg.policy.generation, seed=seed, logprobs=run.drafter.top_k(step))
+        out = run.generation.generate(prompt_ids, sampling)
+    spec = compute_spec_decode_metrics(None, out.spec_counters)
+    spec.update(run.drafter.check(spec, run.generation))  # the acceptance canary
+    spec.update(control_metrics(out.spec_control))  # run-time k: k per bucket, predicted and realised tokens/s
+    run.drafter.after_generation(step, prompt_ids, out, run.tokenizer.pad_token_id)  # may overlap the policy's update
+
+    with timer("reward"):  # 3. rewards
+        rewards, correct = score(run, group_samples, out)  # [P*G], [P*G]
+
+    advantages = group_advantages(rewards, G, g.normalize_std)  # 4. [P*G]
+
+    with timer("train"):  # 5. policy update, on the samples that carry signal
+        keep = select_for_training(advantages, g.skip_zero_advantage and g.kl_coef == 0)  # indices into [P*G]
+        trajectories = [Trajectory.single_turn(prompt_ids[i], out.token_ids[i], out.logprobs[i]) for i in keep]
+        batch = build_train_batch(trajectories, advantages[keep], run.tokenizer.pad_token_id)
+        train_metrics = run.policy.train_step(batch, run.loss_fn)
+
+    with timer("refit"):  # 6. the engines' target model gets the new weights, streamed in buckets (verified)
+        run.generation.update_weights_buckets(run.policy.state_dict_buckets())
+    spec.update(run.drafter.after_refit(run.generation, timer))  # and the drafter, when it trained
+
+    val_metrics = {}
+    if due(step + 1, g.val_every, g.max_steps):  # 7. validation
+        with timer("validation"):
+            val_metrics = evaluate(run)
+    return step_metrics(
+        out, rewards, correct, advantages, len(keep), train_metrics, {**spec, **val_metrics}, timer.pop()
+    )
+
+
+def step_metrics(out, rewards, correct, advantages, num_trained, train_metrics, extra, times) -> dict[str, float]:
+    """The flat ``/``-prefixed metric dict of one step."""
+    lengths = torch.tensor([len(t) for t in out.token_ids], dtype=torch.float)  # [P*G]
+    return {
+        "train/reward_mean": rewards.mean().item(),
+        "train/reward_std": rewards.std(unbiased=False).item(),
+        "train/accuracy": correct.mean().item(),
+        "train/zero_advantage_fraction": (advantages == 0).float().mean().item(),
+        "train/num_samples": float(num_trained),
+        **{f"train/{k}": v for k, v in train_metrics.items() if k != "step_time_s"},
+        "generation/num_tokens": lengths.sum().item(),
+        "generation/tokens_per_s": lengths.sum().item() / max(times["timing/generation"], 1e-9),
+        "generation/response_length_mean": lengths.mean().item(),
+        "generation/response_length_median": lengths.median().item(),
+        "generation/response_length_max": lengths.max().item(),
+        "generation/truncated_fraction": sum(r == "length" for r in out.finish_reasons) / len(out.finish_reasons),
+        **tail_metrics(out),
+        **extra,  # spec_decode/*, drafter/*, val/*
+        **times,
+    }
+
+
+def tail_metrics(out: GenerationOutput) -> dict[str, float]:
+    """The long tail of one generation step: seconds until 50%, 90% and 100% of rollouts were done."""
+    return {
+        f"generation/time_to_{pct}pct_done": t
+        for pct in (50, 90, 100)
+        if (t := out.time_until_done(pct / 100)) is not None
+    }

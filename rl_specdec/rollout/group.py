@@ -1,0 +1,361 @@
+"""A data-parallel group of vLLM engines in Ray actors: one class for both engine kinds.
+
+:class:`VllmGeneration` reserves one placement-group bundle per engine
+(:mod:`~rl_specdec.rollout.placement`), starts one actor of its
+``worker_cls`` in each, assigns disjoint CPU cores to engines that share a
+host, and builds the engines. A batch of token-id prompts is cut into
+contiguous shards, one per engine, generated concurrently, and gathered back
+in input order together with each engine's spec-decode counters for the call.
+
+:class:`AsyncVllmGeneration` is the same group with the async actor; it only
+adds what is async: samples streamed as they finish (``iter_generate``) and
+the engines' HTTP base URLs.
+
+A failed start (placement, actor or engine) leaves no actor and no placement
+group behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Iterable, Iterator, Sequence
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rl_specdec.config.generation import ClusterConfig, GenerationConfig
+from rl_specdec.config.serving import ServerConfig, check_reasoning_parser
+from rl_specdec.errors import GenerationEngineDied, SamplingSelfCheckFailed
+from rl_specdec.rollout import engine_settings, weights
+from rl_specdec.rollout.interfaces import GenerationOutput, SamplingSettings
+from rl_specdec.rollout.placement import (
+    assign_cpu_binds,
+    cluster_has_gpus,
+    init_ray,
+    reserve_engine_bundles,
+    shard_sizes,
+)
+from rl_specdec.rollout.sampling_guard import CalibrationReport, calibration_report
+from rl_specdec.rollout.serving.async_worker import AsyncVllmWorker, per_prompt
+from rl_specdec.rollout.worker import VllmWorker
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0)
+class _Checksummer:
+    """Computes the sender's checksum of a refit beside the engines' loads.
+
+    An actor, not a task: Ray reaps idle task workers after a second, so a task
+    per refit started a fresh process (and imported torch) every step, 1.7 s.
+    """
+
+    def checksum(self, state_dict: dict[str, Any]) -> str:
+        return weights.checksum(state_dict)
+
+
+class VllmGeneration:
+    """The rollout engine: N vLLM engines, one per Ray actor (a :class:`RolloutEngine`)."""
+
+    worker_cls: type = VllmWorker
+    actor_options: dict[str, Any] = {}
+
+    def __init__(self, model: str, config: GenerationConfig, cluster: ClusterConfig | None = None, seed: int = 0):
+        self._start(model, config, cluster or ClusterConfig(), seed, {})
+
+    def _start(
+        self, model: str, config: GenerationConfig, cluster: ClusterConfig, seed: int, start_kwargs: dict[str, Any]
+    ) -> None:
+        self.config, self.model, self.workers, self.pg, self._checksummer = config, model, [], None, None
+        self._restart_args = (cluster, seed, start_kwargs)
+        init_ray(cluster)
+        on_gpu = cluster_has_gpus()
+        t0 = time.time()
+        try:
+            self.pg = reserve_engine_bundles(config, cluster, on_gpu)
+            actor = ray.remote(self.worker_cls)
+            self.workers = [
+                actor.options(
+                    num_cpus=0 if on_gpu else config.cpus_per_engine,
+                    # the bundle's GPUs, so Ray sets CUDA_VISIBLE_DEVICES for this engine (and its TP processes)
+                    num_gpus=int(config.vllm_kwargs.get("tensor_parallel_size", 1)) if on_gpu else 0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=i
+                    ),
+                    runtime_env={"env_vars": {k: str(v) for k, v in config.env_vars.items()}},  # at process start
+                    **self.actor_options,
+                ).remote()
+                for i in range(config.num_engines)
+            ]
+            self.placements = self._get([w.placement.remote() for w in self.workers])
+            binds = [None] * config.num_engines if on_gpu else assign_cpu_binds(self.placements, config.cpus_per_engine)
+            self.engine_info = self._get(
+                [w.start_engine.remote(model, config, seed, b, **start_kwargs) for w, b in zip(self.workers, binds)]
+            )
+            # what the engines really run; a setting vLLM did not honour is a warning (or, strict, an error)
+            self.settings = engine_settings.check(
+                config.vllm_kwargs,
+                [i["settings"] for i in self.engine_info],
+                config.strict_engine_settings,
+                logger.warning,
+            )
+        except BaseException:  # a failed start must not leave actors or reserved CPUs/GPUs behind
+            self.shutdown()
+            raise
+        for i, (p, info) in enumerate(zip(self.placements, self.engine_info)):
+            logger.info(
+                "engine %d on %s (node %s) cores=%s started in %.1fs",
+                i,
+                p["host"],
+                p["node_id"][:8],
+                info["cpu_bind"],
+                info["start_s"],
+            )
+        self.start_s = time.time() - t0
+
+    def _get(self, refs):
+        try:
+            return ray.get(refs)
+        except RayActorError as e:
+            raise GenerationEngineDied(
+                f"a vLLM engine actor died ({e.__class__.__name__}): {e}. "
+                "Check the actor's log above (out of memory? killed?) and restart the run; "
+                "resume=true continues from the last checkpoint."
+            ) from e
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.workers)
+
+    def _shards(self, n: int) -> Iterator[tuple[Any, slice]]:
+        """(worker, slice of the batch) for every engine that gets work."""
+        start = 0
+        for w, size in zip(self.workers, shard_sizes(n, self.num_engines)):
+            if size:
+                yield w, slice(start, start + size)
+            start += size
+
+    # ---- RolloutEngine ----------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> GenerationOutput:
+        refs = [
+            w.generate.remote(prompt_token_ids[s], sampling, s.start) for w, s in self._shards(len(prompt_token_ids))
+        ]
+        return GenerationOutput.concat(self._get(refs), with_top=sampling.logprobs > 0)
+
+    def check_sampling(
+        self,
+        prompt_token_ids: list[list[int]],
+        max_tokens: int,
+        top_k: int = 5,
+        seed: int = 0,
+        min_p_value: float = 1e-6,
+    ) -> CalibrationReport:
+        """Sample at temperature 1 and refuse (raise) if the tokens are not distributed as the policy says.
+
+        See :mod:`rl_specdec.rollout.sampling_guard`. Also fails when an engine's
+        rejection-sampler expand path is broken on this platform.
+        """
+        broken = [i for i, info in enumerate(self.engine_info) if not info["expand_path_ok"]]
+        if broken:
+            raise SamplingSelfCheckFailed(
+                f"engines {broken}: vLLM's rejection-sampler expand kernel returns wrong values on this platform, "
+                "so speculative sampling at temperature > 0 would not be lossless."
+            )
+        out = self.generate(
+            prompt_token_ids, SamplingSettings(max_tokens=max_tokens, temperature=1.0, seed=seed, logprobs=top_k)
+        )
+        report = calibration_report(out.token_ids, out.top_logprobs, top_k)
+        if report.p_value < min_p_value:
+            raise SamplingSelfCheckFailed(
+                "sampled tokens are not distributed as the policy's probabilities say (" + report.summary() + "). "
+                "Speculative decoding is changing what is sampled here; refusing to train. "
+                "Turn speculation off (policy.generation.vllm_kwargs.speculative_config=null) or fix the engine."
+            )
+        return report
+
+    def update_weights(self, state_dict: dict[str, Any] | ray.ObjectRef, target: str = "policy") -> float:
+        """Refit every engine's target model (or its drafter) from an HF-named state dict or an ObjectRef to one.
+
+        The dict is put in Ray's object store once and every engine reads it from
+        there. Fail-closed: an engine that cannot take every tensor loads none and
+        this raises ``WeightIntegrityError`` naming the engine and the tensor; so
+        does a checksum that differs from the sender's. Returns seconds.
+        """
+        ref = state_dict if isinstance(state_dict, ray.ObjectRef) else ray.put(state_dict)
+        sent = self._checksummer_actor().checksum.remote(ref)  # what was sent, computed beside the engines' loads
+        reports = self._get([w.update_weights.remote(ref, target) for w in self.workers])
+        weights.verify_reports(reports, target, ray.get(sent))
+        return max(r["time_s"] for r in reports)
+
+    def update_weights_buckets(
+        self, buckets: Iterable[dict[str, Any] | ray.ObjectRef], target: str = "policy"
+    ) -> float:
+        """Refit from a stream of ObjectRefs of state-dict pieces (``PolicyInterface.state_dict_buckets``).
+
+        Every engine loads each bucket as it comes (vLLM's layerwise reload, opened once
+        and closed after the last bucket), so neither the object store nor an engine
+        needs a second copy of the whole model. Verified bucket by bucket (names, shapes,
+        the sender's checksum) and at the end (nothing missing); a problem raises
+        ``WeightIntegrityError`` naming the engine and the tensor. Unlike
+        :meth:`update_weights`, buckets before a refused one stay loaded: the run stops.
+        Returns seconds.
+        """
+        t0 = time.time()
+        try:
+            begun = self._get([w.begin_reload.remote(target) for w in self.workers])
+            weights.verify_reports(begun, target, None)
+            for piece in buckets:
+                ref = piece if isinstance(piece, ray.ObjectRef) else ray.put(piece)
+                sent = self._checksummer_actor().checksum.remote(ref)
+                reports = self._get([w.load_bucket.remote(ref) for w in self.workers])
+                weights.verify_reports(reports, target, ray.get(sent), streamed=True)
+                del ref, piece  # the policy's stream runs ahead only a few buckets: let this one go
+        finally:
+            ends = self._get([w.end_reload.remote() for w in self.workers])
+        weights.verify_reports(ends, target, None, streamed=True)
+        return time.time() - t0
+
+    def _checksummer_actor(self):
+        if self._checksummer is None:
+            self._checksummer = _Checksummer.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg)
+            ).remote()
+        return self._checksummer
+
+    def reset_prefix_cache(self) -> None:
+        self._get([w.reset_prefix_cache.remote() for w in self.workers])
+
+    @property
+    def control_on(self) -> bool:
+        """Run-time k is installed: ``speculation_control`` is on and the engines speculate."""
+        return self.config.runtime_k_on()
+
+    def set_speculation(self, k_max: int) -> None:
+        """At most ``k_max`` drafted tokens from now on, in every engine; 0 turns speculation off at no cost.
+
+        Needs ``speculation_control.mode`` fixed (k becomes ``k_max`` everywhere) or
+        adaptive (the controller never chooses more than ``k_max``).
+        """
+        if not self.control_on:
+            raise RuntimeError(
+                "set_speculation needs run-time k: set policy.generation.speculation_control.mode to fixed or adaptive "
+                "(speculation_control.mode=off runs vLLM's k as configured)"
+            )
+        self._get([w.set_speculation.remote(int(k_max)) for w in self.workers])
+
+    def check_spec_control(self) -> None:
+        """Run every engine's start-up self-check of the k=0 fast path again; raises ConfigError where it fails."""
+        self._get([w.check_spec_control.remote() for w in self.workers])
+
+    def engine_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method`` of every engine's extension (``collective_rpc``); one result per engine.
+        For tools and tests."""
+        return [r[0] for r in self._get([w.engine_rpc.remote(method, *args, **kwargs) for w in self.workers])]
+
+    def disable_speculation(self) -> None:
+        """Speculation off for good. With run-time k (``speculation_control`` on): k=0 in
+        every engine, which runs vLLM's plain path through the k=0 fast path, with no
+        restart. Otherwise every engine restarts without ``speculative_config``: vLLM's
+        own non-speculative path. The new engines load the model path's weights (or
+        dummy ones): refit them before the next rollout.
+        """
+        if self.control_on:  # run-time k: k=0 through the fast path, no restart
+            self.set_speculation(0)
+            return
+        vllm_kwargs = {k: v for k, v in self.config.vllm_kwargs.items() if k != "speculative_config"}
+        config = dataclasses.replace(self.config, vllm_kwargs=vllm_kwargs)
+        self.shutdown()
+        self._start(self.model, config, *self._restart_args)
+
+    def engine_counters(self) -> list[dict[str, Any]]:
+        """Each engine's cumulative spec-decode counters (all its traffic); for tools and tests.
+
+        A step's own counters come with its output (``GenerationOutput.spec_counters``).
+        """
+        return self._get([w.engine_counters.remote() for w in self.workers])
+
+    def sleep(self, level: int = 1) -> None:
+        self._get([w.sleep.remote(level) for w in self.workers])
+
+    def wake_up(self) -> None:
+        self._get([w.wake_up.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        """Stop every engine and actor and release the placement group."""
+        for i, w in enumerate(self.workers):
+            try:
+                ray.get(w.shutdown.remote(), timeout=30)
+            except (RayActorError, GetTimeoutError) as e:  # dead or stuck: killed below either way
+                logger.info("engine %d did not shut down by itself (%s); killing its actor", i, type(e).__name__)
+            ray.kill(w, no_restart=True)
+        if self._checksummer is not None:
+            ray.kill(self._checksummer, no_restart=True)
+            self._checksummer = None
+        self.workers = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+class AsyncVllmGeneration(VllmGeneration):
+    """N async engines, one per Ray actor, each optionally serving HTTP."""
+
+    worker_cls = AsyncVllmWorker
+    actor_options = {"max_concurrency": 1000}
+
+    def __init__(
+        self,
+        model: str,
+        config: GenerationConfig,
+        cluster: ClusterConfig | None = None,
+        seed: int = 0,
+        server: ServerConfig | dict[str, Any] | None = None,
+    ):
+        """``server``: a :class:`~rl_specdec.config.serving.ServerConfig` (or its fields as a dict); None: no HTTP."""
+        if isinstance(server, dict):
+            server = ServerConfig.from_dict(server)
+        if server is not None:  # load-time errors, before any actor starts
+            server.check()
+            check_reasoning_parser(server, config.vllm_kwargs.get("reasoning_parser"))
+        self._start(model, config, cluster or ClusterConfig(), seed, {"server": server})
+
+    def base_urls(self) -> list[str | None]:
+        """Each engine's OpenAI base URL (``http://127.0.0.1:PORT/v1``), None where it has no server."""
+        return self._get([w.report_base_url.remote() for w in self.workers])
+
+    def iter_generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingSettings | Sequence[SamplingSettings],
+        extra: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
+    ) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Yield ``(index, sample)`` in the order samples finish, across all engines.
+
+        Prompts are sharded as in ``generate``; ``index`` is the prompt's index in
+        ``prompt_token_ids``. ``sampling``/``extra`` are shared or one per prompt.
+        Stopping the iteration early cancels the rest.
+        """
+        n = len(prompt_token_ids)
+        settings, extras = per_prompt(sampling, n, "sampling"), per_prompt(extra, n, "extra")
+        pending = [
+            w.generate_async.options(num_returns="streaming").remote(
+                prompt_token_ids[s], settings[s], s.start, extras[s]
+            )
+            for w, s in self._shards(n)
+        ]
+        try:
+            while pending:
+                ready, _ = ray.wait(pending, num_returns=1)
+                try:
+                    ref = next(ready[0])
+                except StopIteration:
+                    pending.remove(ready[0])
+                    continue
+                yield self._get(ref)
+        finally:
+            for g in pending:
+                ray.cancel(g)  # a finished stream ignores it

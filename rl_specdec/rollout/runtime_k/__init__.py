@@ -1,0 +1,17 @@
+"""Run-time k: each engine changes its number of drafted tokens while it runs
+(``policy.generation.speculation_control``).
+
+An opt-in feature for ``draft_model`` speculation, removable as a unit:
+
+* :mod:`.engine_args`: the engine arguments it needs (vLLM's dynamic-k mode, k_max, the scheduler class);
+* :mod:`.startup`: its installation in a new engine, and the start-up self-check of the k=0 fast path;
+* :mod:`.control`: the ``collective_rpc`` methods (install, set k, report) and the per-engine state;
+* :mod:`.controller`: the adaptive controller (pure logic, numpy only), which picks k per batch-size bucket;
+* :mod:`.selfcheck`: the start-up self-check's phases and its hooks on the fast path;
+* :mod:`.metrics`: the ``spec_decode/*`` metrics of its reports.
+
+What it needs of vLLM's internals (the scheduler subclass, the k=0 fast path's
+wrappers on the model runner, the drafter's KV catch-up) is in
+:mod:`rl_specdec.vllm_ext`; its load-time checks are in
+:mod:`rl_specdec.config.speculation`.
+"""

@@ -1,0 +1,369 @@
+"""The adaptive speculation controller: which k in 0..K keeps the most tokens per second, per batch-size bucket.
+
+Pure logic (numpy, no vLLM): fed one :class:`~.fastpath.StepRecord` per step, it answers with the k lookup.
+
+**What it measures.** Per (bucket, k), decayed sums over the bucket's steps at
+that k (:meth:`Controller._measure`): the tokens the requests kept (not those
+accepted past a stop token or ``max_tokens``), the wall time, the requests and
+the E[L(k)] of the time. A step counts for the k it holds, the k it enters
+from k=0 (the drafter catch-up is that k's cost) and the k it leaves for k=0
+(its verification earns that k's tokens); a call's first step counts for none.
+
+**What it models.**
+
+* *Step cost*: wall time, linear in the step's features, by ridge least squares
+  on relative errors; each kind of step (k verified, k drafted) forgets over
+  its own last ``memory_steps``::
+
+      t = a + c_b b + c_C C + c_P P + [k_v>0](s + s_b b) + k_v (v_b b + v_C C)
+            + [k_n>0](d + d_b b + d_P P) + k_n (e + e_b b + e_C C)
+
+  with b the scheduled requests, C their context, P the prompt tokens
+  prefilled beyond one per request, k_v the drafts verified per request and
+  k_n the drafts made. Transition steps are as informative as steady ones, so
+  a few explored k price every k; predicted times are non-decreasing in k.
+* *Acceptance*: P_i (the first i drafts all accepted and kept), forgetting over
+  ``acceptance_memory`` drafts; E[L(k)] = 1 + P_1 + ... + P_k.
+
+**What it decides.** For bucket j (mean batch b_j) each k is rated by its
+measured rate, repriced by E[L(k)] now against when measured and moved from the
+cell's mean batch to b_j by the model's ratio of times, shrunk towards the
+model's ``b_j E[L(k)] / t(b_j, k, k)`` (calibrated on k=0's measurement) as if
+the model were ``PRIOR_STEPS`` steps. It picks the best k in 0..cap, but k=0
+unless a k>0 measured there (``MIN_MEASURED`` steps) is rated ``min_gain`` better, and keeps a k>0 unless
+another is ``SWITCH_GAIN`` better. Decisions start at k=0, without the warm-up's cells, once the cost model
+has seen k=0 and two k>0 (one if cap is 1).
+
+**How it explores.** Until ready it warms up (unless ``explore`` is 0): every
+step belongs to a burst of the k seen least, over every bucket. Then a step in
+bucket j starts a burst of ``explore_steps`` steps with probability ``explore /
+explore_steps``, at a k drawn from k=0 and the k rated within
+``EXPLORE_WITHIN`` of the bucket's best (a burst up from k=0 costs a catch-up).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+
+import numpy as np
+
+from rl_specdec.config.generation import SpeculationControlConfig
+from rl_specdec.rollout.runtime_k.metrics import Tally
+
+REFIT_EVERY = 8  # observations between refits of the cost model
+MEASURED_DECAY = 0.95  # per step counted for a (bucket, k): direct measurements forget over ~20 steps
+MIN_MEASURED = 2.5  # steps of a (bucket, k) before they calibrate the model (k=0) or k may be chosen (k>0)
+PRIOR_STEPS = 4.0  # a measured rate is shrunk towards the model's as if the model were this many steps
+SWITCH_GAIN = 0.03  # a k>0 in force gives way to another k>0 rated this much better (no catch-up between them)
+EXPLORE_WITHIN = 0.1  # once ready, a burst tries only a k rated within this fraction of the bucket's best
+CLIP = 4.0  # an observed step time is clipped to [predicted / CLIP, predicted * CLIP] (descheduled steps)
+
+
+def bucket_ranges(buckets, max_batch: int) -> list[tuple[int, int]]:
+    """[(lo, hi), ...] inclusive batch-size ranges; the last one ends at ``max_batch``."""
+    los = [b for b in buckets if b <= max_batch]
+    return [(lo, (los[i + 1] - 1) if i + 1 < len(los) else max_batch) for i, lo in enumerate(los)]
+
+
+def lookup_from(ranges: list[tuple[int, int]], ks: list[int]) -> list[int]:
+    """The scheduler's dense lookup (index 0 unused) with k = ks[j] over bucket j."""
+    out = [0]
+    for (lo, hi), k in zip(ranges, ks):
+        out += [int(k)] * (hi - lo + 1)
+    return out
+
+
+def ks_of(ranges: list[tuple[int, int]], lookup: list[int]) -> list[float]:
+    """Each bucket's k in a lookup (its mean, where the lookup is not uniform over the bucket)."""
+    return [sum(lookup[lo : hi + 1]) / (hi - lo + 1) for lo, hi in ranges]
+
+
+def features(b: float, ctx: float, kv: float, kn: float, pre: float = 0.0) -> np.ndarray:
+    """The cost model's features of a step: b requests, ctx context tokens, kv drafts verified and kn
+    drafted per request, pre prompt tokens prefilled beyond one per request (the target's, and the
+    drafter's too when it drafts)."""
+    B, C, P = b / 64.0, ctx / 16384.0, pre / 1024.0
+    sv, sn = float(kv > 0), float(kn > 0)
+    return np.array([1.0, B, C, P, sv, sv * B, kv * B, kv * C, sn, sn * B, sn * P, kn, kn * B, kn * C])
+
+
+class CostModel:
+    """Step wall time, linear in :func:`features`, by ridge least squares on relative errors, with forgetting.
+
+    Each kind of step, (k verified, k drafted), keeps its own statistics and
+    forgets only as new steps of its kind arrive (horizon ``memory`` steps), so
+    the rarely explored k keep their last measurements while the common k
+    stay fresh.
+    """
+
+    def __init__(self, memory: int):
+        self.n = len(features(1, 1, 1, 1))
+        self.decay = 1.0 - 1.0 / max(memory, 2)
+        self.stats: dict[tuple[int, int], list] = {}  # (k verified, k drafted) -> [A, y, weight]
+        self.theta = None
+
+    def observe(self, x: np.ndarray, t: float, k_next: int, k_verify: float) -> None:
+        st = self.stats.setdefault((round(k_verify), int(k_next)), [np.zeros((self.n, self.n)), np.zeros(self.n), 0.0])
+        w2 = 1.0 / max(t, 1e-6) ** 2  # relative errors: a 1 ms step weighs as much as a 100 ms one
+        st[0] *= self.decay
+        st[1] *= self.decay
+        st[0] += w2 * np.outer(x, x)
+        st[1] += w2 * x * t
+        st[2] = st[2] * self.decay + 1.0
+
+    def seen(self, k: int) -> float:
+        """Steady steps seen at k (decayed)."""
+        st = self.stats.get((k, k))
+        return st[2] if st else 0.0
+
+    def ready(self, cap: int) -> bool:
+        distinct = sum(1 for k in range(1, cap + 1) if self.seen(k) >= 2.0)
+        return self.seen(0) >= 3.0 and distinct >= min(2, cap)
+
+    def fit(self) -> None:
+        A = sum(st[0] for st in self.stats.values())
+        y = sum(st[1] for st in self.stats.values())
+        ridge = 1e-4 * max(np.trace(A) / self.n, 1e-12)
+        self.theta = np.linalg.solve(A + ridge * np.eye(self.n), y)
+
+    def predict(self, x: np.ndarray) -> float | None:
+        return None if self.theta is None else float(self.theta @ x)
+
+
+class AcceptanceModel:
+    """P_i = P(the first i drafts are all accepted), i = 1..k_max, with forgetting over ``memory`` drafts."""
+
+    def __init__(self, k_max: int, memory: int, prior: float = 0.7, prior_weight: float = 20.0):
+        self.memory = float(max(memory, 1))
+        self.drafted = [prior_weight] * k_max
+        self.accepted = [prior_weight * prior ** (i + 1) for i in range(k_max)]
+        self._lengths: list[float] | None = None
+
+    def observe(self, drafted_pp: list[int], accepted_pp: list[int]) -> None:
+        self._lengths = None
+        keep = math.exp(-drafted_pp[0] / self.memory) if drafted_pp else 1.0
+        for i in range(len(self.drafted)):
+            self.drafted[i] *= keep
+            self.accepted[i] *= keep
+            if i < len(drafted_pp):
+                self.drafted[i] += drafted_pp[i]
+                self.accepted[i] += accepted_pp[i]
+
+    def probs(self) -> list[float]:
+        out, last = [], 1.0
+        for d, a in zip(self.drafted, self.accepted):
+            last = min(last, a / d if d > 0 else 0.0)  # P_i can only fall with i
+            out.append(last)
+        return out
+
+    def expected_length(self, k: int) -> float:
+        """E[L(k)]: tokens a request emits per step when it drafts k."""
+        if self._lengths is None:
+            self._lengths = [1.0]
+            for p in self.probs():
+                self._lengths.append(self._lengths[-1] + p)
+        return self._lengths[min(k, len(self._lengths) - 1)]
+
+
+class Controller:
+    """One engine's controller: feed it :meth:`step` once per engine step; it returns a new lookup when k changes."""
+
+    def __init__(
+        self, config: SpeculationControlConfig, k_max: int, max_batch: int, initial_lookup: list[int], seed: int = 0
+    ):
+        """``config``: the run's ``speculation_control``; ``k_max``: the engine's largest k; ``max_batch``: its
+        max_num_seqs (the lookup has ``max_batch + 1`` entries); ``initial_lookup``: the scheduler's lookup now."""
+        self.config = config
+        self.ranges = bucket_ranges(config.buckets, max_batch)
+        self.los = [lo for lo, _ in self.ranges]
+        self.choice = [int(round(k)) for k in ks_of(self.ranges, initial_lookup)]
+        self.cap = k_max
+        self.cost, self.acc = CostModel(config.memory_steps), AcceptanceModel(k_max, config.acceptance_memory)
+        self.b_mean = [math.sqrt(lo * hi) for lo, hi in self.ranges]
+        self.ctx_per_req = [64.0] * len(self.ranges)
+        self.pre_per_step = [0.0] * len(self.ranges)
+        self.measured: dict[
+            tuple[int, int], list[float]
+        ] = {}  # (bucket, k) -> decayed [emitted, seconds, steps, requests, E[L(k)]]
+        self.burst: list | None = None  # [bucket (None: every bucket), k, steps left]
+        self.rng = random.Random(seed)
+        self.tally = Tally()
+        self.pushed = list(initial_lookup)
+        self._since_fit, self.warming = 0, True
+
+    def bucket(self, b: int) -> int:
+        return max(bisect.bisect_right(self.los, b) - 1, 0)
+
+    # ---- learning ----------------------------------------------------------------------
+    def observe(self, rec) -> None:
+        """Learn from one finished step."""
+        if rec.drafted_pp:
+            self.acc.observe(rec.drafted_pp, rec.accepted_pp)
+        exploring = self.burst is not None
+        if rec.b > 0 and rec.period_s is not None:
+            self._measure(rec)
+        if rec.b <= 0 or rec.period_s is None or rec.catch_up:
+            self.tally.add(rec, None, exploring)
+            return
+        j = self.bucket(rec.b)
+        pre = max(rec.tokens - rec.b - rec.drafts, 0)
+        self.b_mean[j] += 0.05 * (rec.b - self.b_mean[j])
+        self.ctx_per_req[j] += 0.05 * (rec.ctx / rec.b - self.ctx_per_req[j])
+        self.pre_per_step[j] += 0.05 * (pre - self.pre_per_step[j])
+        kv = rec.drafts / rec.b
+        x = features(rec.b, rec.ctx, kv, rec.k_next, pre)
+        t, predicted = rec.period_s, None
+        if self.cost.ready(self.cap):
+            t_hat = self.cost.predict(x)
+            if t_hat is not None and t_hat > 0:
+                t = min(max(t, t_hat / CLIP), t_hat * CLIP)
+                predicted = (rec.b * self.acc.expected_length(round(kv)), t_hat)
+        self.tally.add(rec, predicted, exploring)
+        self.cost.observe(x, t, rec.k_next, kv)
+        self._since_fit += 1
+
+    def _measure(self, rec) -> None:
+        """Add the step to its (bucket, k) cell (module docstring): each k pays its own costs, earns its kept tokens."""
+        if not rec.continuing:
+            return  # a call's first step emits one token per request whatever k: it would favour the k not in use
+        kv = round(rec.drafts / rec.b) if rec.drafts else 0
+        k = rec.k_next if kv in (0, rec.k_next) else kv if rec.k_next == 0 else None
+        if k is None:
+            return
+        cell = self.measured.setdefault((self.bucket(rec.b), k), [0.0, 0.0, 0.0, 0.0, 0.0])
+        for i, v in enumerate((rec.emitted, rec.period_s, 1.0, rec.b, self.acc.expected_length(k))):
+            cell[i] = cell[i] * MEASURED_DECAY + v
+
+    def time_at(self, j: int, b: float, k: int) -> float | None:
+        """The cost model's time of a steady step at k with b requests, bucket j's context and prefill."""
+        return self.cost.predict(features(b, self.ctx_per_req[j] * b, k, k, self.pre_per_step[j]))
+
+    def measured_rate(self, j: int, k: int, cell: list[float]) -> float:
+        """A cell's kept tokens per second, repriced to the acceptance of now and moved to the bucket's mean batch."""
+        emitted, seconds, steps, requests, expected = cell
+        b_cell, b = requests / steps, self.b_mean[j]
+        t_cell, t_b = self.time_at(j, b_cell, k), self.time_at(j, b, k)
+        ratio = t_b / t_cell if t_cell and t_b and min(t_cell, t_b) > 0 else b / b_cell
+        repriced = self.acc.expected_length(k) / (expected / steps)  # E[L(k)] now against when it was measured
+        return repriced * emitted / requests * b / (seconds / steps * ratio)
+
+    def predicted_rates(self, j: int) -> list[float] | None:
+        """Predicted tokens per second of bucket j at each steady k in 0..cap (None before a fit).
+
+        A step never gets cheaper with more drafts, so predicted times are made
+        non-decreasing in k (a rarely seen k cannot look cheaper than k=0 by fit noise).
+        """
+        b = self.b_mean[j]
+        times = [self.time_at(j, b, k) for k in range(self.cap + 1)]
+        if any(t is None for t in times):
+            return None
+        times = list(np.maximum.accumulate(times))
+        if times[0] <= 0:
+            return None
+        rates = [b * self.acc.expected_length(k) / t for k, t in enumerate(times)]
+        cells = {k: c for (jj, k), c in self.measured.items() if jj == j and k <= self.cap and c[1] > 0 and c[3] > 0}
+        seen = {k: self.measured_rate(j, k, c) for k, c in cells.items()}
+        scale = (
+            seen[0] / rates[0] if 0 in seen and cells[0][2] >= MIN_MEASURED else 1.0
+        )  # the model, calibrated on k=0 here
+        out = []
+        for k, r in enumerate(rates):
+            n = cells[k][2] if k in seen else 0.0
+            out.append(
+                (n * seen.get(k, 0.0) + PRIOR_STEPS * r * scale) / (n + PRIOR_STEPS)
+            )  # measured, shrunk to the model
+        return out
+
+    def decide(self) -> None:
+        """Refit the cost model and re-choose every bucket's k."""
+        self._since_fit = 0
+        if not self.cost.ready(self.cap):
+            return
+        if (
+            self.warming
+        ):  # the warm-up's cells measured every k at once (and often start-up checks): start afresh at k=0
+            self.warming, self.measured, self.choice = False, {}, [0] * len(self.ranges)
+        self.cost.fit()
+        for j in range(len(self.ranges)):
+            rates = self.predicted_rates(j)
+            if rates is None:
+                continue
+            measured = [
+                rates[k] for k in range(1, len(rates)) if self.measured.get((j, k), (0, 0, 0))[2] >= MIN_MEASURED
+            ]
+            best = max(range(len(rates)), key=rates.__getitem__)
+            if max(measured, default=0.0) <= rates[0] * (1.0 + self.config.min_gain):
+                best = 0  # speculate only where a measured k>0 pays by a margin: never lose to k=0
+            cur = min(self.choice[j], self.cap)
+            if best == 0 or cur == 0 or rates[best] > rates[cur] * (1.0 + SWITCH_GAIN):
+                cur = best
+            self.choice[j] = cur
+
+    # ---- acting ------------------------------------------------------------------------
+    def _explore(self, j: int) -> None:
+        """Maybe start a burst of another k in bucket j."""
+        ready, explore = self.cost.ready(self.cap), self.config.explore
+        if self.cap == 0 or explore == 0:
+            return
+        if ready and self.rng.random() >= explore / max(self.config.explore_steps, 1):
+            return
+        others = [k for k in range(self.cap + 1) if k != self.choice[j]]
+        if ready and self.cost.theta is not None:
+            rates = self.predicted_rates(j)
+            if rates is not None:  # only the k that may win: a k rated far below the best costs a burst for nothing
+                others = [k for k in others if k == 0 or rates[k] >= (1.0 - EXPLORE_WITHIN) * max(rates)]  # k=0 always
+        if not others:
+            return
+        if ready:
+            self.burst = [j, self.rng.choice(others), self.config.explore_steps]
+        else:
+            k = min(range(self.cap + 1), key=lambda k: (self.cost.seen(k), self.rng.random()))
+            self.burst = [None, k, self.config.explore_steps]
+
+    def lookup(self) -> list[int]:
+        ks = [min(k, self.cap) for k in self.choice]
+        if self.burst is not None:
+            for j in range(len(ks)) if self.burst[0] is None else [self.burst[0]]:
+                ks[j] = self.burst[1]
+        return lookup_from(self.ranges, ks)
+
+    def step(self, rec, b_next: int) -> list[int] | None:
+        """Learn from ``rec`` (the step that just finished); ``b_next``: the batch of the step starting now.
+
+        Returns the lookup to push to the scheduler, or None when it is unchanged.
+        """
+        self.observe(rec)
+        if self.burst is not None:
+            self.burst[2] -= 1
+            if self.burst[2] <= 0 or self.burst[0] not in (None, self.bucket(b_next)):
+                self.burst = None
+                self.decide()
+        if self._since_fit >= REFIT_EVERY:
+            self.decide()
+        if self.burst is None and b_next > 0:
+            self._explore(self.bucket(b_next))
+        new = self.lookup()
+        if new == self.pushed:
+            return None
+        self.pushed = new
+        return new
+
+    def set_cap(self, k: int) -> list[int]:
+        """Never choose more than k (0: speculation off); returns the lookup to push."""
+        self.cap, self.burst = int(k), None
+        self.pushed = self.lookup()
+        return self.pushed
+
+    def report(self) -> dict:
+        """Decisions and the tally since the last report (which it resets)."""
+        out = {
+            "buckets": [[lo, hi, min(k, self.cap)] for (lo, hi), k in zip(self.ranges, self.choice)],
+            "ready": self.cost.ready(self.cap),
+            "cap": self.cap,
+            "acceptance": self.acc.probs()[: max(self.cap, 1)],
+            **self.tally.report(),
+        }
+        self.tally.reset()
+        return out

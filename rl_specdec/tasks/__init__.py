@@ -1,0 +1,19 @@
+"""Tasks (prompts + verifiers) for the GRPO loop."""
+
+from rl_specdec.tasks.base import Sample, Task, TaskReward
+from rl_specdec.tasks.longtail import LongTailSortTask
+from rl_specdec.tasks.sorting import SortingTask
+
+TASKS = {"sorting": SortingTask, "longtail_sorting": LongTailSortTask}
+
+
+def make_task(name: str, **kwargs) -> Task:
+    if name not in TASKS:
+        raise ValueError(
+            f"task.name={name!r} is not a known task; choose one of {sorted(TASKS)} "
+            "or register yours in rl_specdec.tasks.TASKS"
+        )
+    return TASKS[name](**kwargs)
+
+
+__all__ = ["Sample", "Task", "TaskReward", "SortingTask", "LongTailSortTask", "TASKS", "make_task"]

@@ -1,0 +1,97 @@
+"""vLLM's own declarations that rl_specdec validates configs against (names, literals, parsers, registries).
+
+Reading them here, instead of copying lists into rl_specdec, means a new vLLM
+method or engine argument passes validation without a change; reading them in
+one module means an upgrade that moves them fails in one place
+(:mod:`rl_specdec.vllm_ext` probes every name below at start-up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+
+def _flatten_literal(tp) -> list[str]:
+    out: list[str] = []
+    for a in typing.get_args(tp):
+        out += _flatten_literal(a) if typing.get_args(a) else [a]
+    return out
+
+
+def _field_names(cls) -> set[str]:
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(cls.model_fields)
+
+
+def speculative_methods() -> list[str]:
+    """Every ``speculative_config.method`` vLLM declares (the ``SpeculativeMethod`` literal)."""
+    from vllm.config.speculative import SpeculativeMethod
+
+    return sorted(set(_flatten_literal(SpeculativeMethod)))
+
+
+def mtp_methods() -> set[str]:
+    """The multi-token-prediction model types vLLM declares (``MTPModelTypes``)."""
+    from vllm.config.speculative import MTPModelTypes
+
+    return set(_flatten_literal(MTPModelTypes))
+
+
+def speculative_config_fields() -> set[str]:
+    from vllm.config.speculative import SpeculativeConfig
+
+    return _field_names(SpeculativeConfig)
+
+
+def engine_arg_names() -> set[str]:
+    """The fields of ``vllm.engine.arg_utils.EngineArgs``: every key ``vllm.LLM(...)`` takes."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return _field_names(EngineArgs)
+
+
+def async_engine_arg_names() -> set[str]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return _field_names(AsyncEngineArgs)
+
+
+def parse_speculation_schedule(schedule: list[Any]) -> list[list[int]]:
+    """vLLM's own parser of ``num_speculative_tokens_per_batch_size`` (raises ValueError/TypeError on a bad one)."""
+    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+    return [list(e) for e in validate_and_normalize_dynamic_sd_schedule(schedule)]
+
+
+def tool_call_parsers() -> list[str]:
+    from vllm.tool_parsers import ToolParserManager
+
+    return sorted(ToolParserManager.list_registered())
+
+
+def reasoning_parsers() -> list[str]:
+    from vllm.reasoning import ReasoningParserManager
+
+    return sorted(ReasoningParserManager.list_registered())
+
+
+def has_arctic_inference() -> bool:
+    """Whether vLLM's ``suffix`` method can run here (it needs the arctic-inference package)."""
+    from vllm.utils.import_utils import has_arctic_inference as has
+
+    return bool(has())
+
+
+PROBES = {
+    "SpeculativeMethod": speculative_methods,
+    "MTPModelTypes": mtp_methods,
+    "SpeculativeConfig fields": speculative_config_fields,
+    "EngineArgs fields": engine_arg_names,
+    "AsyncEngineArgs fields": async_engine_arg_names,
+    "validate_and_normalize_dynamic_sd_schedule": lambda: parse_speculation_schedule([[1, 4, 2]]),
+    "ToolParserManager": tool_call_parsers,
+    "ReasoningParserManager": reasoning_parsers,
+}

@@ -1,0 +1,75 @@
+"""Test-only hooks into a running engine's run-time k: never shipped in the package's engine.
+
+:class:`DebugExtension` is rl_specdec's worker extension plus one RPC,
+``rl_specdec_spec_debug``, that steers the k=0 fast path from inside the
+engine: k per engine step from a cycle (in and out of the fast path all the
+time), k after a planned number of steps (k changing *within* a generate
+call), recording each verify step's first draft, switching the drafter
+catch-up off (the negative control of the catch-up tests) and cutting it
+into small pieces. Engines get it through the worker classes below, whose
+``extension`` names it; the groups start actors of those classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl_specdec.rollout.engine_ext import RlSpecdecExtension
+from rl_specdec.rollout.group import AsyncVllmGeneration, VllmGeneration
+from rl_specdec.rollout.serving.async_worker import AsyncVllmWorker
+from rl_specdec.rollout.worker import VllmWorker
+
+EXTENSION = f"{__name__}.DebugExtension"
+
+
+class Cycle:
+    """A fast-path listener: uniform k from a list, one entry per engine step."""
+
+    def __init__(self, set_k):
+        self.set_k, self.ks, self.steps = set_k, None, 0
+
+    def __call__(self, done, so) -> None:
+        self.steps += 1
+        if self.ks:
+            self.set_k(self.ks[self.steps % len(self.ks)])
+
+
+class DebugExtension(RlSpecdecExtension):
+    def rl_specdec_spec_debug(self, **kw) -> dict[str, Any]:
+        """``cycle`` (uniform k per step from a list, None: stop), ``plan`` ([(steps, k)]: k after that many
+        steps), ``record_drafts`` (bool), ``catch_up`` (bool), ``max_catch_up_tokens`` (int). Returns the
+        first drafts recorded so far and the fast path's counters."""
+        st = self._spec()
+        if "_rl_debug_cycle" not in self.__dict__:
+            self.__dict__["_rl_debug_cycle"] = Cycle(st.set_uniform)
+            st.fp.listeners.append(self.__dict__["_rl_debug_cycle"])
+        if "cycle" in kw:
+            self.__dict__["_rl_debug_cycle"].ks = list(kw["cycle"]) if kw["cycle"] else None
+        if "plan" in kw:
+            st.hooks.set_plan(kw["plan"])
+        if "record_drafts" in kw:
+            st.hooks.record = bool(kw["record_drafts"])
+        if "catch_up" in kw:
+            st.fp.catch_up_on = bool(kw["catch_up"])
+        if "max_catch_up_tokens" in kw:
+            st.fp.max_catch_up_tokens = int(kw["max_catch_up_tokens"])
+        drafts = [
+            [list(prompt), sorted(d.items())] for prompt, d in st.hooks.take_drafts().items()
+        ]  # plain lists cross any RPC
+        return {"first_drafts": drafts, "stats": dict(st.fp.stats)}
+
+
+class DebugVllmWorker(VllmWorker):
+    extension = EXTENSION
+
+
+class DebugAsyncVllmWorker(AsyncVllmWorker):
+    extension = EXTENSION
+
+
+class DebugVllmGeneration(VllmGeneration):
+    worker_cls = DebugVllmWorker
+
+
+class DebugAsyncVllmGeneration(AsyncVllmGeneration):
+    worker_cls = DebugAsyncVllmWorker
