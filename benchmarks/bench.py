@@ -1,7 +1,7 @@
 """What speculation buys in RL, measured side by side in one run.
 
     python benchmarks/bench.py --quick            # under 5 min on 2 cores: rollout and GRPO tables, small
-    python benchmarks/bench.py --seeds 0,1        # the full results of docs/performance.md (~1.5 h)
+    python benchmarks/bench.py --seeds 0,1        # every section and variant (hours on 2 cores)
     python benchmarks/bench.py --sections grpo    # one part; see --help
 
 Sections (each prints markdown tables; all write ``<out>/report.md``, JSON and PNGs):

@@ -41,7 +41,8 @@ from rl_specdec.rollout.group import AsyncVllmGeneration
 from rl_specdec.rollout.serving.async_worker import AsyncVllmWorker
 
 REPO = Path(__file__).resolve().parents[1]
-LEGACY_REV = "f0082a6"  # the last commit with the hand-written server (rl_specdec/rollout/serving/server.py)
+LEGACY_REV = "f0082a6"  # the last commit with the hand-written server (then rl_specdec/generation/server.py)
+LEGACY_PATH = "rl_specdec/generation/server.py"
 SERVERS = ("legacy", "vllm")
 
 
@@ -68,15 +69,15 @@ class LegacyBackend:
 class ABWorker(AsyncVllmWorker):
     """The async worker with the legacy server mounted beside vLLM's app, on the same engine and loop."""
 
-    async def start_engine(self, model, vllm_kwargs, seed, cpu_bind, server=None, legacy_source: str = ""):
+    async def start_engine(self, model, config, seed, cpu_bind, server=None, legacy_source: str = ""):
         import types
 
-        info = await super().start_engine(model, vllm_kwargs, seed, cpu_bind, server)
+        info = await super().start_engine(model, config, seed, cpu_bind, server)
         mod = types.ModuleType("rl_specdec_legacy_server")
         sys.modules[mod.__name__] = mod  # pydantic and dataclasses resolve annotations through it
-        exec(compile(legacy_source, f"{LEGACY_REV}:rl_specdec/rollout/serving/server.py", "exec"), mod.__dict__)
-        cfg = mod.ServerConfig(chat_template=server.get("chat_template"), served_model_name=server["served_model_name"])
-        self.legacy = await mod.start_server(LegacyBackend(self, server["served_model_name"]), cfg)
+        exec(compile(legacy_source, f"{LEGACY_REV}:{LEGACY_PATH}", "exec"), mod.__dict__)
+        cfg = mod.ServerConfig(chat_template=server.chat_template, served_model_name=server.served_model_name)
+        self.legacy = await mod.start_server(LegacyBackend(self, server.served_model_name), cfg)
         info["base_url"] = {"legacy": self.legacy.base_url, "vllm": self.server.base_url}
         return info
 
@@ -93,8 +94,8 @@ class ABGeneration(AsyncVllmGeneration):
     def __init__(self, model, config, cluster, server: dict, legacy_source: str):
         from rl_specdec.config import ServerConfig
 
-        ServerConfig.from_dict(server)
-        self._start(model, config, cluster, 0, {"server": server, "legacy_source": legacy_source})
+        server_config = ServerConfig.from_dict(server)
+        self._start(model, config, cluster, 0, {"server": server_config, "legacy_source": legacy_source})
 
 
 def cpu_s(pid: int) -> float:
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE, toy_engine_kwargs, usable_cores
 
     legacy_source = subprocess.check_output(
-        ["git", "-C", str(REPO), "show", f"{args.legacy_rev}:rl_specdec/rollout/serving/server.py"], text=True
+        ["git", "-C", str(REPO), "show", f"{args.legacy_rev}:{LEGACY_PATH}"], text=True
     )
     toy = build_toy_models()
     spec = {

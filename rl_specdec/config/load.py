@@ -192,7 +192,7 @@ def check_cluster_resources(cfg: RunConfig, resources: dict[str, float]) -> None
     """Fail before any actor starts if the run asks for more GPUs or CPUs than the Ray cluster has.
 
     ``resources`` is ``ray.cluster_resources()``. Engines count as the engine
-    group reserves them (generation/placement.py ``reserve_engine_bundles``):
+    group reserves them (rollout/placement.py ``reserve_engine_bundles``):
     ``tensor_parallel_size`` GPUs + 1 CPU each on a GPU cluster, ``cpus_per_engine``
     CPUs each otherwise. Policy workers reserve ``gpus_per_worker`` (with
     device=cuda) and ``cpus_per_worker`` each.

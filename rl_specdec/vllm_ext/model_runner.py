@@ -4,7 +4,7 @@
 0``) the model runner still takes its whole speculative path: the drafter runs
 a forward to keep its KV cache in sync, the rejection sampler replaces the
 plain sampler, and the draft hand-off runs with empty lists. That made k=0 cost
-~30% more than no speculation on the toy at batch 128 (docs/speculative_decoding.md).
+about 35% more than no speculation on the toy at batch 128 (docs/speculative_decoding.md).
 
 **What.** A step is *plain* when nothing is verified now and nothing will be
 drafted next. For a plain step ``runner.speculative_config`` is ``None`` from

@@ -1,6 +1,7 @@
 """The adaptive speculation controller: which k in 0..K keeps the most tokens per second, per batch-size bucket.
 
-Pure logic (numpy, no vLLM): fed one :class:`~.fastpath.StepRecord` per step, it answers with the k lookup.
+Pure logic (numpy, no vLLM): fed one :class:`~rl_specdec.vllm_ext.model_runner.StepRecord` per step, it
+answers with the k lookup.
 
 **What it measures.** Per (bucket, k), decayed sums over the bucket's steps at
 that k (:meth:`Controller._measure`): the tokens the requests kept (not those
