@@ -300,9 +300,8 @@ def pool_train_time(stats: dict[str, dict]) -> None:
             pooled = statistics.fmean(stats[n]["train_s"] for n in group)
             for n in group:
                 stats[n]["step_pooled_s"] = stats[n]["step_mean_s"] - stats[n]["train_s"] + pooled
-    for n in (TRAINER_VARIANTS | DRAFTER_VARIANTS) & set(
-        stats
-    ):  # their train phase is what they change: pooled only with itself
+    # their train phase is what they change: pooled only with itself
+    for n in (TRAINER_VARIANTS | DRAFTER_VARIANTS) & set(stats):
         stats[n]["step_pooled_s"] = stats[n]["step_mean_s"]
 
 
@@ -676,9 +675,10 @@ def main(argv=None) -> int:
         if n not in GRPO_VARIANTS:
             p.error(f"--variants: unknown variant {n!r}; choose from {'; '.join(GRPO_VARIANTS)}")
     if ("peer" in sections or "staleness" in sections) and "grpo" not in sections:
+        # the rows peer and cost compare against
         names = [
             n for n in names if n in ("grpo_base", "grpo_spec", "grpo_spec drafter online", "grpo_spec drafter light")
-        ]  # the rows peer and cost compare against
+        ]
         sections = ["grpo", *sections]
     steps = args.steps or (4 if args.quick else 60)
     try:

@@ -105,9 +105,8 @@ def main(argv=None) -> int:
         f"{cores} cores, load average at start {load:.2f}"
     )
     models, tok = build_toy_models(log=log), build_tokenizer()
-    ray.init(
-        num_cpus=2 * len(ENGINES), include_dashboard=False, log_to_driver=False
-    )  # engines side by side, one runs at a time
+    # engines side by side, one runs at a time
+    ray.init(num_cpus=2 * len(ENGINES), include_dashboard=False, log_to_driver=False)
     engines = {}
     try:
         for n, (spec, mode) in ENGINES.items():

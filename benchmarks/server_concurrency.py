@@ -233,9 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
         "none": None,
     }[args.spec]
-    prompts = [
-        s.prompt[:-1] for s in SortingTask(max_len=24).make_batch(seed=args.seed + 17, n=64)
-    ]  # the template adds "="
+    # the template adds "="
+    prompts = [s.prompt[:-1] for s in SortingTask(max_len=24).make_batch(seed=args.seed + 17, n=64)]
     cores, load0 = usable_cores(), os.getloadavg()
     print(f"load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} ({cores} cores)", flush=True)
     kw = validate_vllm_kwargs(toy_engine_kwargs(speculative_config=spec), str(toy.policy))

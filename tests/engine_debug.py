@@ -53,9 +53,8 @@ class DebugExtension(RlSpecdecExtension):
             st.fp.catch_up_on = bool(kw["catch_up"])
         if "max_catch_up_tokens" in kw:
             st.fp.max_catch_up_tokens = int(kw["max_catch_up_tokens"])
-        drafts = [
-            [list(prompt), sorted(d.items())] for prompt, d in st.hooks.take_drafts().items()
-        ]  # plain lists cross any RPC
+        # plain lists cross any RPC
+        drafts = [[list(prompt), sorted(d.items())] for prompt, d in st.hooks.take_drafts().items()]
         return {"first_drafts": drafts, "stats": dict(st.fp.stats)}
 
 

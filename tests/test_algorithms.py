@@ -244,12 +244,10 @@ def test_held_out_split_is_disjoint_and_keeps_the_length_mix():
     val = t.validation_batch(10**9 + 7, 256)
     assert not any(t.is_held_out(s) for s in train) and all(t.is_held_out(s) for s in val)
     assert not {s.answer for s in train} & {s.answer for s in val}  # not even a shared answer
-    assert sorted(len(s.prompt) - 1 for s in val) == sorted(
-        4 + (i * 9) // 256 for i in range(256)
-    )  # stratified as before
-    assert (
-        0.08 < sum(t.is_held_out(t.sample_problem(random.Random(i))) for i in range(4000)) / 4000 < 0.17
-    )  # ~1/8 held out
+    # stratified as before
+    assert sorted(len(s.prompt) - 1 for s in val) == sorted(4 + (i * 9) // 256 for i in range(256))
+    # ~1/8 held out
+    assert 0.08 < sum(t.is_held_out(t.sample_problem(random.Random(i))) for i in range(4000)) / 4000 < 0.17
     with pytest.raises(ValueError, match="no validation problem of length 1"):
         SortingTask(min_len=1, max_len=1, holdout_every=1000).validation_batch(0, 4)
 

@@ -311,9 +311,8 @@ def test_stop_strings(url, tokenizer):
     )
     c = r.model_dump()["choices"][0]
     assert c["message"]["content"] == "01234" and c["finish_reason"] == "stop" and c["stop_reason"] == "5"
-    assert (
-        tokenizer.decode(c["message"]["generation_token_ids"]) == "012345"
-    )  # the ids run up to and include the stop string
+    # the ids run up to and include the stop string
+    assert tokenizer.decode(c["message"]["generation_token_ids"]) == "012345"
     r = client.completions.create(model=MODEL_NAME, prompt="9081726354=", max_tokens=20, temperature=0, stop=["3"])
     assert r.choices[0].text == "012" and r.choices[0].finish_reason == "stop"
 

@@ -191,9 +191,8 @@ def test_checkpoints_move_between_worker_counts(group, toy, tokenizer, tmp_path)
     two = group("fsdp2")
     two.load_checkpoint(str(tmp_path / "by_one"))
     assert two.train_step(b2, LOSS)["loss"] == pytest.approx(m2["loss"], rel=1e-4)
-    assert (
-        max_diff(ray.get(two.state_dict_for_refit()), after2) < TOL
-    )  # Adam's moments came along: a fresh Adam steps differently
+    # Adam's moments came along: a fresh Adam steps differently
+    assert max_diff(ray.get(two.state_dict_for_refit()), after2) < TOL
     two.save_checkpoint(str(tmp_path / "by_two"))
     again = started(toy.policy)
     again.load_checkpoint(str(tmp_path / "by_two"))
@@ -218,9 +217,8 @@ def test_dead_worker_is_named_and_the_checkpoint_survives(group, toy, reference,
     rank1, ids = g.nodes[1], [w._actor_id.hex() for w in g.workers]
     with pytest.raises(PolicyWorkerDied, match=rf"rank 1 \(node {rank1['ip']}, id \w+, pid {rank1['pid']}\) died"):
         g.train_step(reference["batch"], DieOnRank1())
-    assert (
-        g.workers == [] and g.pg is None
-    )  # the survivor, maybe waiting in a collective for its dead peer, was stopped too
+    # the survivor, maybe waiting in a collective for its dead peer, was stopped too
+    assert g.workers == [] and g.pg is None
     assert wait_until(lambda: all(actor_states("PolicyWorker").get(i) == "DEAD" for i in ids)), actor_states(
         "PolicyWorker"
     )
@@ -258,9 +256,8 @@ def test_grpo_with_two_workers_matches_one(cluster, tmp_path):
         rows[n] = [json.loads(line) for line in (tmp_path / str(n) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows[2]] == [r["step"] for r in rows[1]] == [1, 2]
     for a, b in zip(rows[1], rows[2]):
-        assert (
-            max(a["train/logprob_mismatch"], b["train/logprob_mismatch"]) < 1e-4
-        )  # on-policy (fp32, ~1e-7): the refit reached the engine
+        # on-policy (fp32, ~1e-7): the refit reached the engine
+        assert max(a["train/logprob_mismatch"], b["train/logprob_mismatch"]) < 1e-4
         assert b["generation/num_tokens"] == a["generation/num_tokens"]  # same rollouts: the refit weights agree
         assert b["train/reward_mean"] == a["train/reward_mean"]
         for k in ("train/loss", "train/kl", "train/entropy", "train/grad_norm", "train/logprob_mismatch"):

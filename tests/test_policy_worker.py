@@ -130,12 +130,13 @@ def test_buckets_are_bounded_and_in_order():
         (["f"], torch.zeros(1)),
     ]
     out = list(bucketed(items, max_bytes=160))  # float32: 40 (once), 120, 20, 400, -, 4 bytes
+    # d alone: larger than a bucket; e: another rank's
     assert [list(b) for b in out] == [
         ["a", "a2", "b"],
         ["c"],
         ["d"],
         ["f"],
-    ]  # d alone: larger than a bucket; e: another rank's
+    ]
     assert out[0]["a"] is out[0]["a2"] is tied  # a tied tensor: both names, one tensor (serialised once)
 
 

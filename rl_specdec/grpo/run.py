@@ -104,9 +104,8 @@ def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface, Draf
     init_ray(cfg.cluster)
     import ray
 
-    check_cluster_resources(
-        cfg, ray.cluster_resources()
-    )  # more GPUs/CPUs than the cluster has: fail before any actor starts
+    # more GPUs/CPUs than the cluster has: fail before any actor starts
+    check_cluster_resources(cfg, ray.cluster_resources())
     generation = VllmGeneration(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
     try:
         policy = PolicyGroup(cfg.policy, keep_reference=cfg.grpo.kl_coef > 0 or cfg.grpo.log_kl, seed=cfg.seed)

@@ -72,9 +72,8 @@ class PolicyGroup:
         self.workers: list[Any] = []
         self.nodes: list[dict[str, Any]] = []
         self.pg = None
-        self._background: list[
-            tuple[int, Any]
-        ] = []  # results of other ranks for a call whose rank-0 result went out as a ref
+        # results of other ranks for a call whose rank-0 result went out as a ref
+        self._background: list[tuple[int, Any]] = []
         try:
             self._start_actors(ray.remote(PolicyWorker), keep_reference, seed)
             self.nodes = self._get([w.node_info.remote() for w in self.workers])

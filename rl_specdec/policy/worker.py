@@ -146,9 +146,8 @@ class PolicyWorker:
         """
         self.model = model
         self.model.train()
-        self.train_model = wrap_for_training(
-            self.model, self.config.strategy, self.device
-        )  # DDP wrapper, or the FSDP2-sharded model
+        # DDP wrapper, or the FSDP2-sharded model
+        self.train_model = wrap_for_training(self.model, self.config.strategy, self.device)
         self.ref = None
         if load_reference is not None:
             ref = load_reference().eval()

@@ -64,12 +64,8 @@ def fallback_loses_float_writes(impl) -> bool:
     want = torch.tensor([0.5, 0.5, 1.5, 2.5, 2.5])
     try:
         impl(out, x, cu, 0, 0, MAX_NUM_TOKENS=8)
-    except (
-        RuntimeError,
-        TypeError,
-        ValueError,
-        IndexError,
-    ) as e:  # an op that cannot run is as broken as one that drops writes
+    except (RuntimeError, TypeError, ValueError, IndexError) as e:
+        # an op that cannot run is as broken as one that drops writes
         logger.info("rl_specdec: vLLM's CPU expand fallback fails on a float tensor (%s: %s)", type(e).__name__, e)
         return True
     return not torch.equal(out, want)

@@ -60,9 +60,8 @@ def _make_scheduler_cls():
     return SettableKScheduler
 
 
-__getattr__ = lazy_classes(
-    __name__, globals(), {SCHEDULER_NAME: _make_scheduler_cls}
-)  # vLLM resolves scheduler_cls by qualname
+# vLLM resolves scheduler_cls by qualname
+__getattr__ = lazy_classes(__name__, globals(), {SCHEDULER_NAME: _make_scheduler_cls})
 
 
 def registered_scheduler():

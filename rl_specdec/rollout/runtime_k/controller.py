@@ -185,9 +185,8 @@ class Controller:
         self.b_mean = [math.sqrt(lo * hi) for lo, hi in self.ranges]
         self.ctx_per_req = [64.0] * len(self.ranges)
         self.pre_per_step = [0.0] * len(self.ranges)
-        self.measured: dict[
-            tuple[int, int], list[float]
-        ] = {}  # (bucket, k) -> decayed [emitted, seconds, steps, requests, E[L(k)]]
+        # (bucket, k) -> decayed [emitted, seconds, steps, requests, E[L(k)]]
+        self.measured: dict[tuple[int, int], list[float]] = {}
         self.burst: list | None = None  # [bucket (None: every bucket), k, steps left]
         self.rng = random.Random(seed)
         self.tally = Tally()
@@ -266,15 +265,13 @@ class Controller:
         rates = [b * self.acc.expected_length(k) / t for k, t in enumerate(times)]
         cells = {k: c for (jj, k), c in self.measured.items() if jj == j and k <= self.cap and c[1] > 0 and c[3] > 0}
         seen = {k: self.measured_rate(j, k, c) for k, c in cells.items()}
-        scale = (
-            seen[0] / rates[0] if 0 in seen and cells[0][2] >= MIN_MEASURED else 1.0
-        )  # the model, calibrated on k=0 here
+        # the model, calibrated on k=0 here
+        scale = seen[0] / rates[0] if 0 in seen and cells[0][2] >= MIN_MEASURED else 1.0
         out = []
         for k, r in enumerate(rates):
             n = cells[k][2] if k in seen else 0.0
-            out.append(
-                (n * seen.get(k, 0.0) + PRIOR_STEPS * r * scale) / (n + PRIOR_STEPS)
-            )  # measured, shrunk to the model
+            # measured, shrunk to the model
+            out.append((n * seen.get(k, 0.0) + PRIOR_STEPS * r * scale) / (n + PRIOR_STEPS))
         return out
 
     def decide(self) -> None:
@@ -282,9 +279,8 @@ class Controller:
         self._since_fit = 0
         if not self.cost.ready(self.cap):
             return
-        if (
-            self.warming
-        ):  # the warm-up's cells measured every k at once (and often start-up checks): start afresh at k=0
+        # the warm-up's cells measured every k at once (and often start-up checks): start afresh at k=0
+        if self.warming:
             self.warming, self.measured, self.choice = False, {}, [0] * len(self.ranges)
         self.cost.fit()
         for j in range(len(self.ranges)):
