@@ -5,6 +5,9 @@ Each error names the key and the fix. None of these needs a model file.
 
 from __future__ import annotations
 
+import difflib
+import inspect
+
 from rl_specdec.config.schema import LOG_LEVELS, PolicyConfig, RunConfig
 from rl_specdec.config.speculation import validate_speculation
 from rl_specdec.errors import ConfigError
@@ -67,6 +70,7 @@ def validate(cfg: RunConfig) -> None:
 
     if cfg.task.name not in TASKS:
         raise ConfigError(f"task.name={cfg.task.name!r} is not a known task; choose one of {sorted(TASKS)}")
+    check_task_kwargs(cfg.task.name, TASKS[cfg.task.name], cfg.task.kwargs)
     if cfg.cluster.placement_strategy not in PLACEMENT_STRATEGIES:
         raise ConfigError(
             f"cluster.placement_strategy={cfg.cluster.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or "
@@ -81,6 +85,25 @@ def validate(cfg: RunConfig) -> None:
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def check_task_kwargs(name: str, task_cls, kwargs: dict) -> None:
+    """Every key of ``task.kwargs`` is an argument of the task's constructor (checked against its signature)."""
+    params = inspect.signature(task_cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for k in kwargs:
+        if k not in valid:
+            close = difflib.get_close_matches(k, valid, n=1, cutoff=0.6)
+            hint = f" Did you mean task.kwargs.{close[0]}?" if close else ""
+            raise ConfigError(
+                f"task.kwargs.{k} is not an argument of task {name!r} ({task_cls.__name__}).{hint} "
+                f"Its arguments: {', '.join(valid)}."
+            )
+    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n in valid and n not in kwargs]
+    if missing:
+        raise ConfigError(f"task {name!r} ({task_cls.__name__}) needs task.kwargs.{missing[0]}; set it.")
 
 
 def validate_policy_parallel(p: PolicyConfig) -> None:
