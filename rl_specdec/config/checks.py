@@ -61,8 +61,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"policy.generation.top_p={gen.top_p} must be in (0, 1]")
     if cfg.logger.level.lower() not in LOG_LEVELS:
         raise ConfigError(f"logger.level={cfg.logger.level!r} must be one of {', '.join(LOG_LEVELS)}")
-    if cfg.logger.wandb.mode not in ("offline", "online", "disabled"):
-        raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r} must be offline, online or disabled")
+    validate_wandb(cfg.logger.wandb)
     positive("checkpoint.every", cfg.checkpoint.every)
     positive("checkpoint.keep", cfg.checkpoint.keep)
     validate_speculation(gen)
@@ -85,6 +84,21 @@ def validate(cfg: RunConfig) -> None:
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def validate_wandb(w) -> None:
+    """``logger.wandb``: the mode, and names within wandb's limits (group 128 characters, tags 64)."""
+    if w.mode not in ("offline", "online", "disabled"):
+        raise ConfigError(f"logger.wandb.mode={w.mode!r} must be offline, online or disabled")
+    for key, value, most in (("entity", w.entity, 128), ("group", w.group, 128), ("name", w.name, 128)):
+        if value is not None and not 0 < len(str(value).strip()) <= most:
+            raise ConfigError(f"logger.wandb.{key}={value!r} must be 1 to {most} characters, or null")
+    for i, tag in enumerate(w.tags):
+        if not 0 < len(str(tag).strip()) <= 64 or "," in str(tag):
+            raise ConfigError(
+                f"logger.wandb.tags[{i}]={tag!r}: a tag is 1 to 64 characters without a comma; "
+                "write tags as a list, e.g. logger.wandb.tags=[spec,qwen3]"
+            )
 
 
 def check_task_kwargs(name: str, task_cls, kwargs: dict) -> None:
