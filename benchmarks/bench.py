@@ -123,16 +123,15 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     "ngram k=3": (
         "configs/grpo_spec.yaml",
         [
-            f"{SPEC}.method=ngram",
-            f"{SPEC}.model=null",
-            f"{SPEC}.draft_sample_method=null",
+            f"{SPEC}.method=ngram",  # a method switch starts from ngram's defaults: nothing of draft_model's
+            f"{SPEC}.num_speculative_tokens=3",
             f"{SPEC}.prompt_lookup_max=3",
             f"{SPEC}.prompt_lookup_min=1",
         ],
     ),
     "suffix k=3": (
         "configs/grpo_spec.yaml",
-        [f"{SPEC}.method=suffix", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null"],
+        [f"{SPEC}.method=suffix", f"{SPEC}.num_speculative_tokens=3"],
     ),
     "schedule 2x1": (
         "configs/grpo_spec.yaml",

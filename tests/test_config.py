@@ -97,7 +97,7 @@ def test_gpu_configs_point_at_real_pairs():
     assert eagle.policy.model_name == "Qwen/Qwen3-8B"
     assert eagle.policy.generation.vllm_kwargs["speculative_config"]["method"] == "eagle3"
     ngram = load_config(ROOT / "configs/qwen3_ngram.yaml", resolve_models=False)
-    assert "model" not in ngram.policy.generation.vllm_kwargs["speculative_config"]  # _replace_ dropped the drafter
+    assert "model" not in ngram.policy.generation.vllm_kwargs["speculative_config"]  # replaced, not merged
 
 
 def test_resolved_toy_config_fills_rl_defaults():

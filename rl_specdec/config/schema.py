@@ -77,6 +77,10 @@ class WandbConfig:
     mode: str = "offline"  # offline | online | disabled
     project: str = "rl_specdec"
     name: Optional[str] = None
+    entity: Optional[str] = None  # team or user the run belongs to (default: wandb's default entity)
+    group: Optional[str] = None  # runs of one group sit together (default: the run's name, e.g. grpo_spec)
+    tags: list[str] = field(default_factory=list)
+    notes: Optional[str] = None
 
 
 @dataclass
