@@ -119,9 +119,9 @@ def wide_draft(request, local_ray, wide):
 @pytest.mark.integration
 def test_built_wide_target_computes_the_long_tail_target(hf_wide, wide_prompts):
     """At build, the wide target's log-probs and greedy tokens are the long-tail target's."""
-    from conftest import hf_greedy
     from transformers import AutoModelForCausalLM
 
+    from conftest import hf_greedy
     from rl_specdec.toy.longtail import build_longtail_models
 
     narrow = AutoModelForCausalLM.from_pretrained(build_longtail_models(log=lambda *_: None).policy).eval()
@@ -135,7 +135,6 @@ def test_built_wide_target_computes_the_long_tail_target(hf_wide, wide_prompts):
 @pytest.mark.parametrize("name", ["none", "draft_model"])
 def test_wide_greedy_matches_transformers(wide_none, wide_draft, name, hf_wide, wide_prompts):
     from conftest import hf_greedy
-
     from rl_specdec.rollout import SamplingSettings
 
     g = {"none": wide_none, "draft_model": wide_draft}[name]
@@ -147,7 +146,6 @@ def test_wide_greedy_matches_transformers(wide_none, wide_draft, name, hf_wide, 
 @pytest.mark.parametrize("name", ["none", "draft_model"])
 def test_wide_sampled_logprobs_match_transformers(wide_none, wide_draft, name, hf_wide, wide_prompts):
     from conftest import hf_token_logprobs
-
     from rl_specdec.metrics import compute_spec_decode_metrics
     from rl_specdec.rollout import SamplingSettings
 
@@ -164,7 +162,6 @@ def test_wide_sampled_logprobs_match_transformers(wide_none, wide_draft, name, h
 
 def _dist(g, prompt, seed, temperature=1.0):
     from conftest import DIST_SAMPLES, DIST_TOKENS
-
     from rl_specdec.rollout import SamplingSettings
 
     sampling = SamplingSettings(max_tokens=DIST_TOKENS, temperature=temperature, seed=seed)
