@@ -107,6 +107,19 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         "configs/grpo_spec_longtail.yaml",
         [f"{CONTROL}.mode=adaptive", f"{SPEC}.num_speculative_tokens_per_batch_size=null"],
     ),
+    # the wide workload (issue 24): a target ~19x a drafter pass; no speculation, the best fixed k by the cost
+    # table, vLLM's static schedule, a concurrency threshold (FastGRPO's rule) and the controller
+    "wide base": ("configs/grpo_base_wide.yaml", []),
+    "wide k=4": ("configs/grpo_spec_wide.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=4"]),
+    "wide schedule": (
+        "configs/grpo_spec_wide.yaml",
+        [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,4,5],[5,32,3],[33,1024,2]]"],
+    ),
+    "wide threshold": (
+        "configs/grpo_spec_wide.yaml",
+        [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,5],[17,1024,0]]"],
+    ),
+    "wide adaptive": ("configs/grpo_spec_wide.yaml", []),
     "ngram k=3": (
         "configs/grpo_spec.yaml",
         [
@@ -287,13 +300,11 @@ def pool_train_time(stats: dict[str, dict]) -> None:
     keeps the cost speculation can change (generation) and averages out the one it
     cannot (a control variate).
     """
-    for two, longtail in ((False, False), (True, False), (False, True)):
+    for two, fam in ((False, ""), (True, ""), (False, "longtail"), (False, "wide")):
         group = [
             n
             for n in stats
-            if ("2x1" in n) == two
-            and n.startswith("longtail") == longtail
-            and n not in TRAINER_VARIANTS | DRAFTER_VARIANTS
+            if ("2x1" in n) == two and family(n) == fam and n not in TRAINER_VARIANTS | DRAFTER_VARIANTS
         ]
         if group:
             pooled = statistics.fmean(stats[n]["train_s"] for n in group)
@@ -310,10 +321,15 @@ def _mean_or_none(rows: list[dict], key: str):
 
 
 # ---- tables -----------------------------------------------------------------------
+def family(name: str) -> str:
+    """The workload a variant runs: "" (the default task), "longtail" or "wide"."""
+    return next((f for f in ("longtail", "wide") if name.startswith(f + " ")), "")
+
+
 def baseline_of(name: str) -> str:
     """The variant a variant is compared with: same task, same engine layout, no speculation."""
-    if name.startswith("longtail"):
-        return "longtail base"
+    if family(name):
+        return f"{family(name)} base"
     return "grpo_base 2x1" if "2x1" in name else "grpo_base"
 
 
@@ -421,9 +437,10 @@ def verdict_text(stats: dict[str, dict]) -> str:
     spec = {n: s for n, s in stats.items() if s.get("speculation", "none") != "none" and n not in TRAINER_VARIANTS}
     out = []
     groups = (
-        ("one engine", {n: s for n, s in spec.items() if "2x1" not in n and not n.startswith("longtail")}),
+        ("one engine", {n: s for n, s in spec.items() if "2x1" not in n and not family(n)}),
         ("two engines", {n: s for n, s in spec.items() if "2x1" in n}),
-        ("long-tail task", {n: s for n, s in spec.items() if n.startswith("longtail")}),
+        ("long-tail task", {n: s for n, s in spec.items() if family(n) == "longtail"}),
+        ("wide pair", {n: s for n, s in spec.items() if family(n) == "wide"}),
     )
     for label, group in groups:
         if group:
@@ -695,10 +712,12 @@ def main(argv=None) -> int:
     from rl_specdec.toy.build import build_toy_models
 
     build_toy_models(log=log)  # once, before anything is timed
-    if "grpo" in sections and any(GRPO_VARIANTS[n][0].endswith("_longtail.yaml") for n in names):
+    if "grpo" in sections and any(GRPO_VARIANTS[n][0].endswith(("_longtail.yaml", "_wide.yaml")) for n in names):
         from rl_specdec.toy.longtail import build_longtail_models
+        from rl_specdec.toy.wide import build_wide_models
 
         build_longtail_models(log=log)
+        build_wide_models(log=log)
     report = [f"# rl_specdec benchmark{' (--quick)' if args.quick else ''}", "", f"_{head}_", ""]
     results: dict = {"header": head, "quick": args.quick}
 

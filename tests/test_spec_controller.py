@@ -10,8 +10,11 @@ the next steps run with. Tables:
   any batch): k=0 everywhere is best;
 * ``CHEAP``: verifying and drafting are nearly free next to the fixed cost of
   a step (a memory-bound GPU at small batch): k_max everywhere is best;
-* ``CPU``: the step-cost model fitted on this project's CPU (spike 14):
-  k>0 pays only at small batch.
+* ``CPU``: the step-cost model fitted on this project's CPU: k>0 pays only at
+  small batch;
+* ``RIDGE``: a step reads the weights (a fixed time) until its tokens' compute
+  passes that, as on a GPU: k>0 pays far below the ridge, and above it no k>0
+  could pay even with every draft accepted.
 
 Negative controls: the same controller fed the dear table lands on 0 and fed
 the cheap one on k_max (the decision follows the costs, not a default); with
@@ -39,11 +42,17 @@ def DEAR(b, kv, kn):
     return 0.5 + 1.0 * b * (1 + kv) + (kn > 0) * (1.0 + 0.05 * b) + kn * (0.5 + 0.03 * b)
 
 
+def RIDGE(b, kv, kn):  # a step reads the weights (6 ms) until its tokens' compute passes that: the GPU shape
+    return 3.0 + max(6.0, 0.3 * b * (1 + kv)) + (kn > 0) * 1.0 + kn * (0.4 + 0.01 * b)
+
+
 def CHEAP(b, kv, kn):
     return 10.0 + 0.01 * b * (1 + kv) + (kn > 0) * 0.2 + kn * 0.1
 
 
-def CPU(b, kv, kn):  # spike 14's fit: a + c_r b + [k>0](s0 + s1 b) + k (d0 + c_v b), split into verify and draft halves
+def CPU(
+    b, kv, kn
+):  # a fit on this CPU's toy pair: a + c_r b + [k>0](s0 + s1 b) + k (d0 + c_v b), split into verify and draft halves
     return (
         3.6
         + 0.257 * b
@@ -63,8 +72,10 @@ def controller(s: SpeculationControlConfig, initial_k: int) -> Controller:
     return Controller(s, K, MAX_BATCH, lookup, seed=1)
 
 
-def run(table, p_accept=0.8, calls=40, initial_k=2, ctl=None, seed=0, **kw):
-    """Replay ``calls`` generate calls on a synthetic engine; returns the controller."""
+def run(table, p_accept=0.8, calls=40, initial_k=2, ctl=None, seed=0, times=None, catch_up_ms=0.0, **kw):
+    """Replay ``calls`` generate calls on a synthetic engine; returns the controller. ``times``: a list that gets
+    each call's simulated seconds; ``catch_up_ms``: what a switch up from k=0 costs per request (the drafter
+    catch-up, which the cost table leaves out)."""
     rng = random.Random(seed)
     nrng = np.random.default_rng(seed)
     s = settings(**kw)
@@ -72,13 +83,14 @@ def run(table, p_accept=0.8, calls=40, initial_k=2, ctl=None, seed=0, **kw):
     lookup = list(ctl.pushed)
     for _ in range(calls):
         lengths = sorted(int(8 + 120 * rng.random() ** 3) for _ in range(128))  # a long tail of rollouts
-        step, kv, ctx, prev = 0, 0, 0, None
+        step, kv, ctx, prev, clock = 0, 0, 0, None, 0.0
         while True:
             b = len(lengths) - bisect.bisect_right(lengths, step)
             if b == 0:
                 break
             kn = lookup[b]
-            t = table(b, kv, kn) * 1e-3 * math.exp(rng.gauss(0, 0.1))
+            catch_up = b if kv == 0 and kn > 0 and step > 0 else 0
+            t = (table(b, kv, kn) + catch_up * catch_up_ms) * 1e-3 * math.exp(rng.gauss(0, 0.1))
             acc = [int(nrng.binomial(b, p_accept ** (i + 1))) for i in range(kv)]
             rec = StepRecord(
                 b=b,
@@ -93,12 +105,15 @@ def run(table, p_accept=0.8, calls=40, initial_k=2, ctl=None, seed=0, **kw):
                 drafted_pp=[b] * kv or None,
                 accepted_pp=acc or None,
                 period_s=t,
+                catch_up=catch_up,
             )
             if prev is not None:
                 new = ctl.step(prev, b)
                 lookup = new if new is not None else lookup
-            prev, kv, ctx = rec, kn, ctx + b * (1 + kn)
+            prev, kv, ctx, clock = rec, kn, ctx + b * (1 + kn), clock + t
             step += 1 + kn // 2
+        if times is not None:
+            times.append(clock)
     return ctl
 
 
@@ -157,6 +172,70 @@ def test_predictions_track_what_the_engine_realises():
     r = ctl.report()  # the last call only
     assert r["ready"] and r["timed_steps"] > 50
     assert abs(r["predicted_tokens_per_s"] / r["realised_tokens_per_s"] - 1) < 0.15, r
+
+
+def _hopeless_buckets(ctl, table) -> list[int]:
+    """Buckets where no k>0 beats k=0 by min_gain even with every draft accepted (the steady oracle)."""
+    out = []
+    for j in range(len(ctl.ranges)):
+        rates = oracle_rates(table, 1.0, ctl.b_mean[j])
+        if max(rates[1:]) <= rates[0] * (1 + ctl.config.min_gain):
+            out.append(j)
+    return out
+
+
+def test_no_exploration_where_no_k_can_pay(monkeypatch):
+    """Once its cost model has learnt the costs, the controller no longer explores a bucket where no k>0 could
+    pay; the cheaper buckets it still explores. Negative control: without the gate it explores the dear ones too."""
+
+    def explored_after_learning():
+        ctl = run(RIDGE, p_accept=0.85, calls=40, explore=0.1)
+        ctl.explored = [0] * len(ctl.ranges)
+        return run(RIDGE, p_accept=0.85, ctl=ctl, calls=40, seed=2)
+
+    ctl = explored_after_learning()
+    hopeless = _hopeless_buckets(ctl, RIDGE)
+    assert hopeless and len(hopeless) < len(ctl.ranges), hopeless
+    burst = ctl.config.explore_steps  # one burst on a noisy fit at most
+    assert sum(ctl.explored[j] for j in hopeless) <= burst, ctl.explored
+    assert sum(ctl.explored) > 0, ctl.explored
+
+    monkeypatch.setattr(Controller, "could_win", lambda self, j: True)
+    ungated = explored_after_learning()
+    assert sum(ungated.explored[j] for j in hopeless) > 3 * burst, ungated.explored
+
+
+def _exploration_loss(share: float) -> tuple[float, int]:
+    """Time lost against k=0 everywhere, once warmed up, on the dear table with a catch-up at every switch up
+    that the cost model does not see, and the steps explored."""
+    kw = dict(table=DEAR, catch_up_ms=8.0)
+    ctl, explored, plain = run(calls=20, explore=share, **kw), [], []
+    ctl.explored = [0] * len(ctl.ranges)
+    run(ctl=ctl, calls=40, seed=3, times=explored, **kw)
+    run(calls=40, seed=3, times=plain, explore=0.0, initial_k=0, **kw)
+    return sum(explored) / sum(plain) - 1, sum(ctl.explored)
+
+
+def test_exploring_costs_at_most_its_share_of_the_time(monkeypatch):
+    """The budget is the backstop for what the cost model gets wrong. With the gate off and every k a candidate
+    (as if the model rated them all near the best), exploring on the dear table loses at most about its share
+    of the time; without the budget it loses far more."""
+    from rl_specdec.rollout.runtime_k import controller
+
+    share = 0.1
+    monkeypatch.setattr(Controller, "could_win", lambda self, j: True)
+    monkeypatch.setattr(controller, "EXPLORE_WITHIN", 1.0)
+    loss, explored = _exploration_loss(share)
+    assert explored > 0 and loss < share * 1.5, (loss, explored)  # a burst, once started, runs out its steps
+    account = Controller._account
+
+    def unbounded_budget(self, j, rec, exploring):
+        account(self, j, rec, exploring)
+        self.budget = float("inf")
+
+    monkeypatch.setattr(Controller, "_account", unbounded_budget)
+    unbounded, _ = _exploration_loss(share)
+    assert unbounded > share * 2, unbounded
 
 
 def test_cap_zero_turns_speculation_off_and_stops_exploring():

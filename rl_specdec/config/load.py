@@ -141,8 +141,10 @@ def resolve_model_paths(cfg: RunConfig, build_toy: bool = True) -> None:
         if pair not in cache:
             from rl_specdec.toy.build import build_toy_models
             from rl_specdec.toy.longtail import build_longtail_models
+            from rl_specdec.toy.wide import build_wide_models
 
-            cache[pair] = {"digits": build_toy_models, "longtail": build_longtail_models}[pair]()
+            builders = {"digits": build_toy_models, "longtail": build_longtail_models, "wide": build_wide_models}
+            cache[pair] = builders[pair]()
         return cache[pair]
 
     cfg.policy.model_name = _resolve_one(cfg.policy.model_name, "policy.model_name", toy_paths)

@@ -16,6 +16,8 @@ TOY_MODELS = {
     "drafter-untrained": ("digits", "drafter_untrained"),
     "longtail-policy": ("longtail", "policy"),
     "longtail-drafter": ("longtail", "drafter"),
+    "wide-policy": ("wide", "policy"),
+    "wide-drafter": ("wide", "drafter"),
 }
 
 

@@ -39,7 +39,17 @@ has seen k=0 and two k>0 (one if cap is 1).
 step belongs to a burst of the k seen least, over every bucket. Then a step in
 bucket j starts a burst of ``explore_steps`` steps with probability ``explore /
 explore_steps``, at a k drawn from k=0 and the k rated within
-``EXPLORE_WITHIN`` of the bucket's best (a burst up from k=0 costs a catch-up).
+``EXPLORE_WITHIN`` of the bucket's best (a burst up from k=0 costs a catch-up),
+but only where it could pay and only while it can afford it:
+
+* a bucket at k=0 is not explored where the cost model says no k>0 could beat
+  k=0 by ``min_gain`` even with acceptance ``EXPLORE_HEADROOM`` better than
+  measured (:meth:`Controller.could_win`): at a large batch, where verification
+  is dear, exploring only costs;
+* a budget bounds what exploring loses: every step earns ``explore`` of its
+  time, every exploring step spends its time less the time the bucket's choice
+  would take for the same tokens, and a burst starts only with budget left. So
+  exploration costs at most about ``explore`` of the time.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ import numpy as np
 
 from rl_specdec.config.generation import SpeculationControlConfig
 from rl_specdec.rollout.runtime_k.metrics import Tally
+from rl_specdec.rollout.runtime_k.models import AcceptanceModel, CostModel, features
 
 REFIT_EVERY = 8  # observations between refits of the cost model
 MEASURED_DECAY = 0.95  # per step counted for a (bucket, k): direct measurements forget over ~20 steps
@@ -59,6 +70,10 @@ MIN_MEASURED = 2.5  # steps of a (bucket, k) before they calibrate the model (k=
 PRIOR_STEPS = 4.0  # a measured rate is shrunk towards the model's as if the model were this many steps
 SWITCH_GAIN = 0.03  # a k>0 in force gives way to another k>0 rated this much better (no catch-up between them)
 EXPLORE_WITHIN = 0.1  # once ready, a burst tries only a k rated within this fraction of the bucket's best
+# A bucket at k=0 is explored only if some k>0 could win there with acceptance this much better than measured
+# (accepted drafts x (1 + headroom), at most k): where the cost model says no k>0 can pay, exploring only costs.
+EXPLORE_HEADROOM = 0.25
+BUDGET_BURSTS = 2.0  # the exploration budget saves up for at most this many bursts of the current step time
 CLIP = 4.0  # an observed step time is clipped to [predicted / CLIP, predicted * CLIP] (descheduled steps)
 
 
@@ -79,93 +94,6 @@ def lookup_from(ranges: list[tuple[int, int]], ks: list[int]) -> list[int]:
 def ks_of(ranges: list[tuple[int, int]], lookup: list[int]) -> list[float]:
     """Each bucket's k in a lookup (its mean, where the lookup is not uniform over the bucket)."""
     return [sum(lookup[lo : hi + 1]) / (hi - lo + 1) for lo, hi in ranges]
-
-
-def features(b: float, ctx: float, kv: float, kn: float, pre: float = 0.0) -> np.ndarray:
-    """The cost model's features of a step: b requests, ctx context tokens, kv drafts verified and kn
-    drafted per request, pre prompt tokens prefilled beyond one per request (the target's, and the
-    drafter's too when it drafts)."""
-    B, C, P = b / 64.0, ctx / 16384.0, pre / 1024.0
-    sv, sn = float(kv > 0), float(kn > 0)
-    return np.array([1.0, B, C, P, sv, sv * B, kv * B, kv * C, sn, sn * B, sn * P, kn, kn * B, kn * C])
-
-
-class CostModel:
-    """Step wall time, linear in :func:`features`, by ridge least squares on relative errors, with forgetting.
-
-    Each kind of step, (k verified, k drafted), keeps its own statistics and
-    forgets only as new steps of its kind arrive (horizon ``memory`` steps), so
-    the rarely explored k keep their last measurements while the common k
-    stay fresh.
-    """
-
-    def __init__(self, memory: int):
-        self.n = len(features(1, 1, 1, 1))
-        self.decay = 1.0 - 1.0 / max(memory, 2)
-        self.stats: dict[tuple[int, int], list] = {}  # (k verified, k drafted) -> [A, y, weight]
-        self.theta = None
-
-    def observe(self, x: np.ndarray, t: float, k_next: int, k_verify: float) -> None:
-        st = self.stats.setdefault((round(k_verify), int(k_next)), [np.zeros((self.n, self.n)), np.zeros(self.n), 0.0])
-        w2 = 1.0 / max(t, 1e-6) ** 2  # relative errors: a 1 ms step weighs as much as a 100 ms one
-        st[0] *= self.decay
-        st[1] *= self.decay
-        st[0] += w2 * np.outer(x, x)
-        st[1] += w2 * x * t
-        st[2] = st[2] * self.decay + 1.0
-
-    def seen(self, k: int) -> float:
-        """Steady steps seen at k (decayed)."""
-        st = self.stats.get((k, k))
-        return st[2] if st else 0.0
-
-    def ready(self, cap: int) -> bool:
-        distinct = sum(1 for k in range(1, cap + 1) if self.seen(k) >= 2.0)
-        return self.seen(0) >= 3.0 and distinct >= min(2, cap)
-
-    def fit(self) -> None:
-        A = sum(st[0] for st in self.stats.values())
-        y = sum(st[1] for st in self.stats.values())
-        ridge = 1e-4 * max(np.trace(A) / self.n, 1e-12)
-        self.theta = np.linalg.solve(A + ridge * np.eye(self.n), y)
-
-    def predict(self, x: np.ndarray) -> float | None:
-        return None if self.theta is None else float(self.theta @ x)
-
-
-class AcceptanceModel:
-    """P_i = P(the first i drafts are all accepted), i = 1..k_max, with forgetting over ``memory`` drafts."""
-
-    def __init__(self, k_max: int, memory: int, prior: float = 0.7, prior_weight: float = 20.0):
-        self.memory = float(max(memory, 1))
-        self.drafted = [prior_weight] * k_max
-        self.accepted = [prior_weight * prior ** (i + 1) for i in range(k_max)]
-        self._lengths: list[float] | None = None
-
-    def observe(self, drafted_pp: list[int], accepted_pp: list[int]) -> None:
-        self._lengths = None
-        keep = math.exp(-drafted_pp[0] / self.memory) if drafted_pp else 1.0
-        for i in range(len(self.drafted)):
-            self.drafted[i] *= keep
-            self.accepted[i] *= keep
-            if i < len(drafted_pp):
-                self.drafted[i] += drafted_pp[i]
-                self.accepted[i] += accepted_pp[i]
-
-    def probs(self) -> list[float]:
-        out, last = [], 1.0
-        for d, a in zip(self.drafted, self.accepted):
-            last = min(last, a / d if d > 0 else 0.0)  # P_i can only fall with i
-            out.append(last)
-        return out
-
-    def expected_length(self, k: int) -> float:
-        """E[L(k)]: tokens a request emits per step when it drafts k."""
-        if self._lengths is None:
-            self._lengths = [1.0]
-            for p in self.probs():
-                self._lengths.append(self._lengths[-1] + p)
-        return self._lengths[min(k, len(self._lengths) - 1)]
 
 
 class Controller:
@@ -192,6 +120,9 @@ class Controller:
         self.tally = Tally()
         self.pushed = list(initial_lookup)
         self._since_fit, self.warming = 0, True
+        self.rates: list[list[float] | None] = [None] * len(self.ranges)  # predicted tokens/s per k, per bucket
+        self.budget = 0.0  # seconds exploring may still lose (earns ``explore`` x each step's time)
+        self.explored = [0] * len(self.ranges)  # exploring steps per bucket, once ready
 
     def bucket(self, b: int) -> int:
         return max(bisect.bisect_right(self.los, b) - 1, 0)
@@ -201,9 +132,11 @@ class Controller:
         """Learn from one finished step."""
         if rec.drafted_pp:
             self.acc.observe(rec.drafted_pp, rec.accepted_pp)
-        exploring = self.burst is not None
+        # the step ran a burst's k if the burst covers its bucket (a burst in the tail of one call outlives it)
+        exploring = self.burst is not None and self.burst[0] in (None, self.bucket(rec.b))
         if rec.b > 0 and rec.period_s is not None:
             self._measure(rec)
+            self._account(self.bucket(rec.b), rec, exploring)  # catch-up steps too: a burst up from k=0 pays one
         if rec.b <= 0 or rec.period_s is None or rec.catch_up:
             self.tally.add(rec, None, exploring)
             return
@@ -223,6 +156,17 @@ class Controller:
         self.tally.add(rec, predicted, exploring)
         self.cost.observe(x, t, rec.k_next, kv)
         self._since_fit += 1
+
+    def _account(self, j: int, rec, exploring: bool) -> None:
+        """The exploration budget: each step earns ``explore`` of its time; an exploring step spends what it lost
+        against the bucket's choice (its time less the time the choice would take for the same tokens)."""
+        cap = BUDGET_BURSTS * self.config.explore_steps * rec.period_s
+        self.budget = min(self.budget + self.config.explore * rec.period_s, cap)
+        rates = self.rates[j]
+        if not exploring or self.warming or rates is None or rates[min(self.choice[j], self.cap)] <= 0:
+            return
+        self.explored[j] += 1
+        self.budget -= max(rec.period_s - rec.emitted / rates[min(self.choice[j], self.cap)], 0.0)
 
     def _measure(self, rec) -> None:
         """Add the step to its (bucket, k) cell (module docstring): each k pays its own costs, earns its kept tokens."""
@@ -284,7 +228,7 @@ class Controller:
             self.warming, self.measured, self.choice = False, {}, [0] * len(self.ranges)
         self.cost.fit()
         for j in range(len(self.ranges)):
-            rates = self.predicted_rates(j)
+            rates = self.rates[j] = self.predicted_rates(j)
             if rates is None:
                 continue
             measured = [
@@ -304,7 +248,9 @@ class Controller:
         ready, explore = self.cost.ready(self.cap), self.config.explore
         if self.cap == 0 or explore == 0:
             return
-        if ready and self.rng.random() >= explore / max(self.config.explore_steps, 1):
+        if ready and (self.budget <= 0 or self.rng.random() >= explore / max(self.config.explore_steps, 1)):
+            return
+        if ready and self.choice[j] == 0 and not self.could_win(j):
             return
         others = [k for k in range(self.cap + 1) if k != self.choice[j]]
         if ready and self.cost.theta is not None:
@@ -318,6 +264,18 @@ class Controller:
         else:
             k = min(range(self.cap + 1), key=lambda k: (self.cost.seen(k), self.rng.random()))
             self.burst = [None, k, self.config.explore_steps]
+
+    def could_win(self, j: int) -> bool:
+        """Whether, by the cost model, some k>0 could beat k=0 by ``min_gain`` in bucket j if acceptance were
+        ``EXPLORE_HEADROOM`` better than measured (True before the model is fitted)."""
+        b = self.b_mean[j]
+        times = [self.time_at(j, b, k) for k in range(self.cap + 1)]
+        if self.cost.theta is None or any(t is None or t <= 0 for t in times):
+            return True
+        times = list(np.maximum.accumulate(times))
+        lengths = [1 + min(k, (self.acc.expected_length(k) - 1) * (1 + EXPLORE_HEADROOM)) for k in range(self.cap + 1)]
+        rates = [b * n / t for n, t in zip(lengths, times)]
+        return max(rates[1:], default=0.0) > rates[0] * (1 + self.config.min_gain)
 
     def lookup(self) -> list[int]:
         ks = [min(k, self.cap) for k in self.choice]
