@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         help="check the config, print it as written (toy:policy, auto) and exit; builds no model",
     )
     parser.add_argument(
-        "--resolved", action="store_true", help="with --print-config: print model paths, device and dtype as resolved"
+        "--resolved",
+        action="store_true",
+        help="with --print-config: print model paths, device, precision and engine dtype as resolved",
     )
     parser.add_argument("--verbose", action="store_true", help="show vLLM's and Ray's logs (logger.level=info)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")

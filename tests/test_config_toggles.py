@@ -121,7 +121,7 @@ def test_print_config_shows_the_config_as_written_and_builds_nothing(tmp_path):
     cache = tmp_path / "cache"
     r = _run_grpo("--config", str(SPEC), "--print-config", f"{S}.method=ngram", env={"RL_SPECDEC_CACHE": str(cache)})
     assert r.returncode == 0, r.stderr
-    assert "model_name: toy:policy" in r.stdout and "method: ngram" in r.stdout and "dtype: auto" in r.stdout
+    assert "model_name: toy:policy" in r.stdout and "method: ngram" in r.stdout and "precision: auto" in r.stdout
     assert "toy:drafter" not in r.stdout
     assert not cache.exists()  # no toy model was built
     r = _run_grpo("--config", str(SPEC), "--print-config", "task.kwargs.max_lenn=8")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import inspect
 
+from rl_specdec.config import precision
 from rl_specdec.config.schema import LOG_LEVELS, PolicyConfig, RunConfig
 from rl_specdec.config.speculation import validate_speculation
 from rl_specdec.errors import ConfigError
@@ -44,8 +45,7 @@ def validate(cfg: RunConfig) -> None:
     positive("policy.learning_rate", p.learning_rate)
     positive("policy.max_grad_norm", p.max_grad_norm)
     positive("policy.micro_batch_size", p.micro_batch_size)
-    if p.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ConfigError(f"policy.dtype={p.dtype!r} must be one of auto, float32, bfloat16, float16")
+    precision.validate(p.precision)
     validate_policy_parallel(p)
     positive("policy.generation.num_engines", gen.num_engines)
     positive("policy.generation.cpus_per_engine", gen.cpus_per_engine)

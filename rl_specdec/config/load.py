@@ -13,9 +13,10 @@
 5. resolves model names: ``toy:policy`` / ``toy:drafter`` are the embedded toy
    models (built and cached the first time), a local-looking path must exist;
    then checks ``vllm_kwargs`` against vLLM and the backend it runs on;
-6. resolves ``device: auto`` and ``dtype: auto`` once, for the trainer and the
-   engines together (:func:`resolve_device_and_dtype`; on a cluster whose head
-   has no GPU but whose workers do, set ``policy.device=cuda``).
+6. resolves ``device: auto``, ``precision: auto`` and the engines' dtype once,
+   for the trainer and the engines together, and checks that they go together
+   (:func:`resolve_device_and_dtype`; on a cluster whose head has no GPU but
+   whose workers do, set ``policy.device=cuda``).
 
 Everything happens before any Ray actor starts, so a bad config costs seconds.
 :func:`load_config_as_written` runs every check but resolves nothing and builds
@@ -33,7 +34,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from rl_specdec.config import checks
+from rl_specdec.config import checks, precision
 from rl_specdec.config.checks import validate
 from rl_specdec.config.layers import apply_overrides, read_yaml
 from rl_specdec.config.schema import TOY_MODELS, TOY_PREFIX, PolicyConfig, RunConfig
@@ -50,6 +51,21 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
 
 
 RENAMED = {"env": "task"}  # an old key -> its new name
+
+
+def _refuse_replaced_keys(raw: DictConfig) -> None:
+    """``policy.dtype`` became ``policy.precision`` (and the engines' ``vllm_kwargs.dtype``): say so,
+    with the new value."""
+    policy = raw.get("policy")
+    if isinstance(policy, DictConfig) and "dtype" in policy:
+        old = policy.get("dtype")
+        bf16 = "bf16-mixed (or bf16: weights and AdamW state in bf16 too)"
+        new = {"auto": "auto", "bfloat16": bf16}.get(str(old), "fp32")
+        raise ConfigError(
+            f"policy.dtype={old} was replaced by policy.precision (fp32 | bf16-mixed | bf16 | auto; "
+            f'docs/grpo.md, "Precision"): set policy.precision={new} and remove policy.dtype. '
+            "The engines' dtype follows the precision; policy.generation.vllm_kwargs.dtype sets it apart."
+        )
 
 
 def _wrap_omegaconf_error(e: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
@@ -74,6 +90,7 @@ def _load_unresolved(path: str | os.PathLike | None, overrides: list[str] | None
     schema = OmegaConf.structured(RunConfig)
     raw = read_yaml(Path(path)) if path else OmegaConf.create()
     raw = apply_overrides(raw, list(overrides or []))
+    _refuse_replaced_keys(raw)
     try:
         merged = OmegaConf.merge(schema, raw)
         OmegaConf.resolve(merged)
@@ -152,9 +169,6 @@ def resolve_model_paths(cfg: RunConfig, build_toy: bool = True) -> None:
     spec = kw.get("speculative_config")
     if spec and spec.get("model"):
         spec["model"] = _resolve_one(spec["model"], "policy.generation.vllm_kwargs.speculative_config.model", toy_paths)
-    if "dtype" not in kw or kw["dtype"] in (None, "auto"):
-        # The engine samples in the trainer's precision, so generation and training log-probs agree.
-        kw["dtype"] = cfg.policy.dtype
     check_backend_runs(kw.get("speculative_config"), on_cpu=cfg.policy.device == "cpu" and is_cpu())
     with warnings.catch_warnings():
         if not build_toy:  # toy:* names are not folders yet: nothing to compare vocabularies with
@@ -165,14 +179,17 @@ def resolve_model_paths(cfg: RunConfig, build_toy: bool = True) -> None:
 
 def resolve_device_and_dtype(p: PolicyConfig, cuda_available: bool | None = None) -> None:
     """Replace 'auto' once, at load: device cuda where the loading process sees CUDA, else cpu;
-    dtype bfloat16 on cuda, float32 on cpu. Workers and engines use what this leaves.
+    precision bf16-mixed on cuda, fp32 on cpu; the engines' dtype (``vllm_kwargs.dtype``) the
+    precision's compute dtype unless set, checked against the precision. Workers and engines use what
+    this leaves.
 
     On a Ray cluster whose head has no GPU but whose workers do, set ``policy.device=cuda``.
     """
     if p.device == "auto":
         p.device = "cuda" if (checks.cuda_available() if cuda_available is None else cuda_available) else "cpu"
-    if p.dtype == "auto":
-        p.dtype = "bfloat16" if p.device == "cuda" else "float32"
+    p.precision = precision.resolve(p.precision, p.device)
+    p.generation.vllm_kwargs["dtype"] = precision.engine_dtype(p)  # the engine samples in the trainer's compute dtype
+    precision.check_pairing(p.precision, p.generation.vllm_kwargs["dtype"])
 
 
 def check_cluster_resources(cfg: RunConfig, resources: dict[str, float]) -> None:

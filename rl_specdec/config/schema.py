@@ -24,7 +24,10 @@ TOY_MODELS = {
 @dataclass
 class PolicyConfig:
     model_name: str = "toy:policy"  # "toy:policy", a local HF folder, or a hub id
-    dtype: str = "auto"  # auto (bf16 where the run has GPUs, fp32 on CPU) | float32 | bfloat16; engines use the same
+    # auto (bf16-mixed where the run has GPUs, fp32 on CPU) | fp32 | bf16-mixed | bf16: the trainer's master
+    # weights, AdamW state and compute (rl_specdec/policy/precision.py); the engines' dtype follows unless
+    # vllm_kwargs.dtype is set
+    precision: str = "auto"
     learning_rate: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
