@@ -175,7 +175,8 @@ def test_wide_temperature_1_distribution_with_speculation_equals_plain(wide_none
     from conftest import position_test
 
     plain = _dist(wide_none, wide_prompts[0], seed=1000)
-    assert len({tuple(s) for s in plain}) > len(plain) // 4, "the test prompt has too little randomness"
+    # a guard only (the 0.7 control below is what shows power): samples must not collapse to a few sequences
+    assert len({tuple(s) for s in plain}) > len(plain) // 10, "the test prompt has too little randomness"
     p_spec, per_pos = position_test(plain, _dist(wide_draft, wide_prompts[0], seed=2000))
     assert p_spec > 1e-3, f"speculation changed the distribution (adjusted p={p_spec:.2e}; {per_pos})"
     p_cold, _ = position_test(plain, _dist(wide_none, wide_prompts[0], seed=3000, temperature=0.7))

@@ -123,7 +123,7 @@ class VllmWorkerBase:
         """vLLM ``SamplingParams`` for request ``seed_index`` of a call (seeded ``seed + seed_index``)."""
         from vllm import SamplingParams
 
-        return SamplingParams(
+        kwargs: dict[str, Any] = dict(
             n=1,
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
@@ -134,9 +134,8 @@ class VllmWorkerBase:
             logprobs=sampling.logprobs,
             ignore_eos=sampling.ignore_eos,
             detokenize=False,
-            **fixed,
-            **(extra or {}),
         )
+        return SamplingParams(**{**kwargs, **fixed, **(extra or {})})  # extra wins: per-request overrides
 
     @staticmethod
     def _sample(c, want_top: bool) -> dict[str, Any]:
