@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rl_specdec.errors import (
         CheckpointDamaged,
+        CheckpointWriteFailed,
         GenerationEngineDied,
         PolicyWorkerDied,
         SamplingSelfCheckFailed,
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         SamplingSelfCheckFailed,
         PolicyWorkerDied,
         CheckpointDamaged,
+        CheckpointWriteFailed,
         WeightIntegrityError,
         SpecDecodeCanaryTripped,
     ) as e:

@@ -28,6 +28,11 @@ class CheckpointDamaged(RuntimeError):
     """No complete checkpoint in the folder is intact (the message names each damaged file)."""
 
 
+class CheckpointWriteFailed(RuntimeError):
+    """Writing a checkpoint failed (a full disk, a quota, a read-only folder); the half-written folder was
+    removed and the checkpoints before it are intact. The message names the folder and its free space."""
+
+
 class SamplingSelfCheckFailed(RuntimeError):
     """The engines do not sample from the policy's distribution (speculation is not lossless here)."""
 
@@ -50,6 +55,7 @@ class PrefixSpliceError(ValueError):
 
 __all__ = [
     "CheckpointDamaged",
+    "CheckpointWriteFailed",
     "ConfigError",
     "GenerationEngineDied",
     "PolicyWorkerDied",

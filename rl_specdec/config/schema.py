@@ -102,6 +102,7 @@ class CheckpointConfig:
     dir: Optional[str] = None  # default: <log_dir>/checkpoints
     every: int = 10  # save every N steps; a killed run loses at most N steps
     keep: int = 2
+    on_error: str = "stop"  # a checkpoint that cannot be written (full disk): stop the run | warn and train on
 
 
 @dataclass

@@ -7,6 +7,8 @@ checkpoint every ``checkpoint.every`` steps (atomic, with a checksum
 manifest), and logs the step's row to wandb, the console and
 ``metrics.jsonl``. Before anything is generated, the engines hold the
 trainer's weights, so every rollout comes from the weights the trainer holds.
+A checkpoint that cannot be written (a full disk) stops the run, or only warns
+with ``checkpoint.on_error=warn``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_specdec.config import RunConfig
+from rl_specdec.errors import CheckpointWriteFailed
 from rl_specdec.grpo.run import GRPORun, setup
 from rl_specdec.grpo.step import due, evaluate, grpo_step, sampling_check
 
@@ -62,9 +65,7 @@ def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
             t0 = time.perf_counter()
             last = grpo_step(run, step)
             if run.checkpoints and due(step + 1, cfg.checkpoint.every, g.max_steps):
-                with run.timer("checkpoint"):
-                    save_checkpoint(run, step + 1, last)
-                last.update(run.timer.pop())
+                checkpoint_step(run, step + 1, last)
             last["timing/step"] = time.perf_counter() - t0
             run.metrics.log(last, step=step + 1)
             bar.set_postfix(_postfix(last))
@@ -86,6 +87,18 @@ def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
     finally:
         run.shutdown()
     return last
+
+
+def checkpoint_step(run: GRPORun, step: int, row: dict[str, Any]) -> None:
+    """Save after ``step`` steps; a write that fails stops the run, or only warns with ``checkpoint.on_error=warn``."""
+    try:
+        with run.timer("checkpoint"):
+            save_checkpoint(run, step, row)
+    except CheckpointWriteFailed as e:
+        if run.cfg.checkpoint.on_error != "warn":
+            raise
+        logger.warning("%s. Training goes on without it (checkpoint.on_error=warn)", e)
+    row.update(run.timer.pop())
 
 
 def _postfix(m: dict[str, Any]) -> dict[str, str]:
