@@ -33,6 +33,22 @@ class CheckpointWriteFailed(RuntimeError):
     removed and the checkpoints before it are intact. The message names the folder and its free space."""
 
 
+class RunStopped(SystemExit):
+    """The run stopped on SIGTERM or SIGINT after saving what it had; ``code`` is 128 + the signal's number
+    (143, 130), so an uncaught one exits with the status a shell reports for that signal.
+
+    ``message`` is one line: the signal, the last finished step, its checkpoint and the command to resume.
+    """
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(128 + signum)
+        self.message = message
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class SamplingSelfCheckFailed(RuntimeError):
     """The engines do not sample from the policy's distribution (speculation is not lossless here)."""
 
@@ -60,6 +76,7 @@ __all__ = [
     "GenerationEngineDied",
     "PolicyWorkerDied",
     "PrefixSpliceError",
+    "RunStopped",
     "SamplingSelfCheckFailed",
     "SleepNotSupported",
     "SpecDecodeCanaryTripped",
