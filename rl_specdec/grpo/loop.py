@@ -75,7 +75,7 @@ def train(cfg: RunConfig, progress: bool | None = None, resume_command: str | No
         record_ray_processes()
         try:
             last, finished = run_steps(run, show)
-            saved = last_checkpoint(run, finished, last)
+            saved = last_checkpoint(run, finished, last) if stop.requested else None
         finally:
             record_ray_processes()  # while the tree is whole: the actors' children leave it when they are killed
             run.shutdown()
@@ -151,8 +151,8 @@ def checkpoint_step(run: GRPORun, step: int, row: dict[str, Any]) -> None:
 
 
 def last_checkpoint(run: GRPORun, finished: int, row: dict[str, Any]) -> Path | None:
-    """The checkpoint of the last finished step, written now unless it is on disk (after a stop, a step that was
-    not due); None when there is none."""
+    """After a stop: the checkpoint of the last finished step, written now unless it is on disk (a step dropped
+    while generating leaves the one before it, which may not have been due); None when there is none."""
     if run.checkpoints is None or finished == 0:
         return None
     if not run.checkpoints.has(finished):
