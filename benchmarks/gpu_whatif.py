@@ -5,7 +5,7 @@ adaptive controller among them. Everything it prints is a prediction.
     python benchmarks/gpu_whatif.py                      # the GPU tables and the plot (< 2 minutes, 2 cores)
     python benchmarks/gpu_whatif.py --calibrate results/cost_table/*.json [--model-config wide/config.json]
     python benchmarks/gpu_whatif.py --calibrate results/cost_table/*.json \\
-        --grpo-metrics logs/grpo_spec/metrics.jsonl --pair digit --policy fixed:3 --k 3
+        --grpo-metrics logs/grpo_spec/metrics.jsonl --pair toy --policy fixed:3 --k 3
 
 The model, its constants and their sources: benchmarks/whatif/ (costmodel.py, hardware.py, models.py,
 workload.py); the policies: whatif/policies.py; docs/gpu_whatif_draft.md.
@@ -56,7 +56,7 @@ def parse_args(argv=None):
     c.add_argument("--drafter-config", help="config.json of its drafter")
     c.add_argument("--cpu-constants", help="fitted constants (JSON written by --calibrate) instead of fitting")
     c.add_argument("--grpo-metrics", help="a run's metrics.jsonl: predict each step's generation phase")
-    c.add_argument("--pair", default="digit", help="the run's pair: digit | longtail | a table's pair name")
+    c.add_argument("--pair", default="toy", help="the run's pair: toy | longtail | wide | a table's pair name")
     c.add_argument(
         "--policy",
         default=None,
@@ -65,7 +65,7 @@ def parse_args(argv=None):
     )
     c.add_argument("--k", type=int, default=3, help="the run's num_speculative_tokens (for its acceptance)")
     c.add_argument("--engines", type=int, default=1)
-    c.add_argument("--grpo-prompt-len", type=int, default=10, help="the run's prompt tokens (digit task: ~10)")
+    c.add_argument("--grpo-prompt-len", type=int, default=10, help="the run's prompt tokens (toy task: ~10)")
     c.add_argument(
         "--max-num-seqs", type=int, default=256, help="the run's max_num_seqs (vLLM 0.32's CPU default: 256)"
     )

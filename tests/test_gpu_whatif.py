@@ -37,7 +37,7 @@ def test_qwen3_shapes_give_the_published_parameter_counts():
     assert M.QWEN3_32B.total_params == 64 * 487_587_840 + 2 * 5120 * 151_936  # 32.8e9
     assert M.QWEN3_06B.total_params == 28 * 15_728_640 + 1024 * 151_936  # tied: 0.60e9, 0.44e9 without embedding
     assert M.QWEN3_8B.kv_bytes_per_token(2) == 2 * 36 * 8 * 128 * 2 == 147_456  # GQA: 8 KV heads, not 32
-    assert M.TOY_DIGIT_POLICY.total_params == 4 * (4 * 256 * 256 + 3 * 256 * 768) + 256 * 32
+    assert M.TOY_POLICY.total_params == 4 * (4 * 256 * 256 + 3 * 256 * 768) + 256 * 32
 
 
 def test_decode_step_at_batch_one_is_the_weight_read():
@@ -197,7 +197,7 @@ def test_adaptive_verification_admits_all_where_verifying_is_free_and_fewer_wher
 # ---- calibration -----------------------------------------------------------------------------
 
 
-def model_table(theta, pair_key="digit", cells=None, noise=0.0, seed=0) -> dict:
+def model_table(theta, pair_key="toy", cells=None, noise=0.0, seed=0) -> dict:
     """A t(b, k) table the model itself writes with known constants (optionally noisy)."""
     rng = np.random.default_rng(seed)
     tbl = {"pair": pair_key, "dtype": "float32", "acceptance_length": {"3": 2.9}, "cells": []}
@@ -240,7 +240,7 @@ def test_synthetic_fixture_loads_and_fits():
 
 
 def test_grpo_prediction_recovers_a_phase_the_model_wrote_and_misses_with_wrong_constants():
-    pair = W.TOY_PAIRS["digit"]
+    pair = W.TOY_PAIRS["toy"]
     wl = W.Workload(np.full(300, 12), 10, 256)
     dev = CAL.device_of(KNOWN)
     t = float(C.Pricer(dev, pair).rows(simulate_static(pair, wl, P.NoSpec(), np.random.default_rng(0)).rows).sum())

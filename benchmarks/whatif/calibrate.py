@@ -45,42 +45,50 @@ def load_tables(paths: list[str]) -> list[dict]:
 
 
 def table_pair(tbl: dict, model_config: str | None = None, drafter_config: str | None = None, log=print) -> Pair:
-    """The pair a table measured: its shapes (toy, the table's configs, the given config.json, or a stand-in
-    widened to the table's parameter count) and its acceptance (alpha_1 flat, from the largest k measured)."""
+    """The pair a table measured: its shapes (the given config.json, else the toy pair of that name, its depth
+    set by the table's parameter count, else a stand-in widened to that count) and its acceptance (alpha_1
+    flat, from the largest k measured)."""
     key = tbl["pair"]
     base = TOY_PAIRS.get(key)
-
-    def shape(role, cfg_key, path, toy, params_key, like):
-        if tbl.get(cfg_key):
-            return M.from_hf_config(tbl[cfg_key], f"{key} {role}")
-        if path:
-            return M.from_hf_config(path, f"{key} {role}")
-        if toy is not None:
-            return toy
-        log(
-            f"  ! {key}: {role} shapes unknown, a stand-in widened to {tbl[params_key]:.3g} parameters "
-            "(give --model-config)"
-        )
-        return M.like_toy_with_params(float(tbl[params_key]), like, f"{key} {role}")
-
-    target = shape("policy", "target_config", model_config, base and base.target, "target_params", M.TOY_LT_POLICY)
-    drafter = shape(
-        "drafter", "drafter_config", drafter_config, base and base.drafter, "drafter_params", M.TOY_LT_DRAFTER
-    )
-    for m, k in ((target, "target_params"), (drafter, "drafter_params")):
-        if tbl.get(k) and abs(m.total_params / float(tbl[k]) - 1) > 0.05:
-            log(
-                f"  ! {key}: {m.name} has {m.total_params:.3g} parameters in our shapes, "
-                f"the table says {float(tbl[k]):.3g}"
-            )
-    acc = {int(k): float(v) for k, v in (tbl.get("acceptance_length") or {}).items()}
+    target = _shape(tbl, "policy", model_config, base and base.target, "target_params", M.TOY_LT_POLICY, log)
+    drafter = _shape(tbl, "drafter", drafter_config, base and base.drafter, "drafter_params", M.TOY_LT_DRAFTER, log)
+    acc = acceptance_lengths(tbl)
     alpha = alpha_for_length(acc[max(acc)], max(acc)) if acc else 0.8
     return Pair(key, target, drafter, "draft_model", alpha, 1.0, "the table's acceptance_length", True, tp=1)
 
 
+def _shape(tbl, role, path, toy, params_key, like, log):
+    key, params = tbl["pair"], float(tbl.get(params_key) or 0)
+    if path:
+        model = M.from_hf_config(path, f"{key} {role}")
+    elif toy is not None:
+        model = toy if not params else (M.with_layers_for(toy, params) or toy)
+    elif params:
+        log(f"  ! {key}: {role} shapes unknown, a stand-in widened to {params:.3g} parameters (give a config.json)")
+        return M.like_toy_with_params(params, like, f"{key} {role}")
+    else:
+        raise ValueError(f"table of pair {key!r}: no {params_key} and no config.json for its {role}")
+    if params and abs(model.total_params / params - 1) > 0.05:
+        log(f"  ! {key}: {model.name} has {model.total_params:.3g} parameters in our shapes, the table {params:.3g}")
+    return model
+
+
+def acceptance_lengths(tbl: dict) -> dict[int, float]:
+    """E[L(k)] the table measured, by k."""
+    return {int(k): float(v) for k, v in (tbl.get("acceptance_length") or {}).items()}
+
+
+def cell_k(cell: dict) -> tuple[str, int]:
+    """(mode, k) of a cell: k "none" is the engine without a drafter; k = 0 the drafter's engine at k=0 (the fast
+    path's plain step); k > 0 a speculative step that verifies and drafts k."""
+    return ("none", 0) if str(cell["k"]) == "none" else ("auto", int(cell["k"]))
+
+
 def cell_rows(tbl: dict, pair: Pair) -> Rows:
-    """One steady-step row per measured cell (k=0: a plain step through the fast path)."""
-    rows = [steady_row(c["b"], int(c["k"]), float(c.get("context_mean", 0.0)), "auto", pair) for c in tbl["cells"]]
+    """One steady-step row per measured cell."""
+    rows = [
+        steady_row(c["b"], cell_k(c)[1], float(c.get("context_mean", 0.0)), cell_k(c)[0], pair) for c in tbl["cells"]
+    ]
     return Rows(*[np.concatenate([getattr(r, f) for r in rows]) for f in Rows.__dataclass_fields__])
 
 

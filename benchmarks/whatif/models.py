@@ -98,10 +98,13 @@ def toy_qwen2(name: str, hidden: int, layers: int, heads: int, intermediate: int
 
 
 TOY = "rl_specdec/toy/build.py ModelShape"
-TOY_DIGIT_POLICY = toy_qwen2("toy policy", 256, 4, 8, 768, 32, TOY)
-TOY_DIGIT_DRAFTER = toy_qwen2("toy drafter", 128, 2, 4, 384, 32, TOY)
+TOY_POLICY = toy_qwen2("toy policy", 256, 4, 8, 768, 32, TOY)
+TOY_DRAFTER = toy_qwen2("toy drafter", 128, 2, 4, 384, 32, TOY)
 TOY_LT_POLICY = toy_qwen2("long-tail toy policy", 256, 4, 8, 768, 448, "rl_specdec/toy/longtail.py")
 TOY_LT_DRAFTER = toy_qwen2("long-tail toy drafter", 128, 2, 4, 384, 448, "rl_specdec/toy/longtail.py")
+# the long-tail target widened (MLP 768 -> 16,384 units, 4 identity layers appended) and a one-layer drafter
+TOY_WIDE_POLICY = toy_qwen2("wide toy policy", 256, 8, 8, 16384, 448, "rl_specdec/toy/wide.py WideToyConfig")
+TOY_WIDE_DRAFTER = toy_qwen2("wide toy drafter", 128, 1, 4, 384, 448, "rl_specdec/toy/wide.py WideToyConfig")
 
 
 def from_hf_config(path_or_dict, name: str | None = None) -> ModelConfig:
@@ -139,3 +142,12 @@ def like_toy_with_params(params: float, base: ModelConfig, name: str) -> ModelCo
         intermediate=3 * h,
         source=f"assumed: {base.name}'s layout widened to {params:.3g} parameters",
     )
+
+
+def with_layers_for(model: ModelConfig, params: float, tolerance: float = 0.02) -> ModelConfig | None:
+    """``model`` with the layer count whose parameter count is ``params`` (a rebuilt toy that changed only its
+    depth), or None if no whole number of layers comes within ``tolerance``."""
+    head = model.total_params - model.layers * model.layer_params
+    layers = max(int(round((params - head) / model.layer_params)), 1)
+    out = replace(model, layers=layers, source=f"{model.source}, {layers} layers (from the parameter count)")
+    return out if abs(out.total_params / params - 1) <= tolerance else None

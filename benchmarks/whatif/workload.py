@@ -112,8 +112,9 @@ def toy_pair(key: str, target: M.ModelConfig, drafter: M.ModelConfig, alpha1: fl
 
 
 TOY_PAIRS = {
-    "digit": toy_pair("digit", M.TOY_DIGIT_POLICY, M.TOY_DIGIT_DRAFTER),
+    "toy": toy_pair("toy", M.TOY_POLICY, M.TOY_DRAFTER),
     "longtail": toy_pair("longtail", M.TOY_LT_POLICY, M.TOY_LT_DRAFTER),
+    "wide": toy_pair("wide", M.TOY_WIDE_POLICY, M.TOY_WIDE_DRAFTER),
 }
 
 
