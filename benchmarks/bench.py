@@ -51,6 +51,7 @@ from pathlib import Path
 
 import drafter_life  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
 import peer_trl  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
+import precision_runs
 import rollout
 from rollout import fmt, log
 
@@ -107,19 +108,31 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         "configs/grpo_spec_longtail.yaml",
         [f"{CONTROL}.mode=adaptive", f"{SPEC}.num_speculative_tokens_per_batch_size=null"],
     ),
+    # the wide workload (issue 24): a target ~19x a drafter pass; no speculation, the best fixed k by the cost
+    # table, vLLM's static schedule, a concurrency threshold (FastGRPO's rule) and the controller
+    "wide base": ("configs/grpo_base_wide.yaml", []),
+    "wide k=4": ("configs/grpo_spec_wide.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=4"]),
+    "wide schedule": (
+        "configs/grpo_spec_wide.yaml",
+        [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,4,5],[5,32,3],[33,1024,2]]"],
+    ),
+    "wide threshold": (
+        "configs/grpo_spec_wide.yaml",
+        [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,5],[17,1024,0]]"],
+    ),
+    "wide adaptive": ("configs/grpo_spec_wide.yaml", []),
     "ngram k=3": (
         "configs/grpo_spec.yaml",
         [
-            f"{SPEC}.method=ngram",
-            f"{SPEC}.model=null",
-            f"{SPEC}.draft_sample_method=null",
+            f"{SPEC}.method=ngram",  # a method switch starts from ngram's defaults: nothing of draft_model's
+            f"{SPEC}.num_speculative_tokens=3",
             f"{SPEC}.prompt_lookup_max=3",
             f"{SPEC}.prompt_lookup_min=1",
         ],
     ),
     "suffix k=3": (
         "configs/grpo_spec.yaml",
-        [f"{SPEC}.method=suffix", f"{SPEC}.model=null", f"{SPEC}.draft_sample_method=null"],
+        [f"{SPEC}.method=suffix", f"{SPEC}.num_speculative_tokens=3"],
     ),
     "schedule 2x1": (
         "configs/grpo_spec.yaml",
@@ -143,12 +156,16 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     # the drafter distilled towards the policy after every step and refit (issue 13): its cost
     "grpo_spec drafter online": ("configs/grpo_spec.yaml", [drafter_life.ONLINE]),
     "grpo_spec drafter light": ("configs/grpo_spec.yaml", drafter_life.LIGHT),
+    # fp32 against bf16-mixed (bf16 compute over fp32 master weights, bf16 engines): benchmarks/precision_runs.py
+    **precision_runs.VARIANTS,
 }
 QUICK_VARIANTS = ["grpo_base", "draft adaptive", "longtail base", "longtail adaptive"]
 QUICK_SECTIONS = ("rollout", "grpo")  # --quick: staleness and peer only when asked for (--sections)
 TRAINER_VARIANTS = {"grpo_spec policy 2x"}  # change the trainer, not the rollouts: kept out of the speculation verdicts
 # the drafter trains beside the policy on the same cores: their train phase differs by design, not by chance
 DRAFTER_VARIANTS = {"grpo_spec drafter online", "grpo_spec drafter light"}
+# another precision changes the train phase and the rollouts: compared with their own baseline, kept out of the verdicts
+PRECISION_VARIANTS = set(precision_runs.VARIANTS)
 # what every benchmark run changes: its own log folder, no wandb, no checkpoints, no bar
 COMMON = ["logger.wandb.enabled=false", "checkpoint.enabled=false", "logger.progress_bar=false"]
 # --quick: skip what only costs start-up time (the sampling self-check, validation, torch.compile)
@@ -288,20 +305,20 @@ def pool_train_time(stats: dict[str, dict]) -> None:
     keeps the cost speculation can change (generation) and averages out the one it
     cannot (a control variate).
     """
-    for two, longtail in ((False, False), (True, False), (False, True)):
+    for two, fam in ((False, ""), (True, ""), (False, "longtail"), (False, "wide")):
         group = [
             n
             for n in stats
             if ("2x1" in n) == two
-            and n.startswith("longtail") == longtail
-            and n not in TRAINER_VARIANTS | DRAFTER_VARIANTS
+            and family(n) == fam
+            and n not in TRAINER_VARIANTS | DRAFTER_VARIANTS | PRECISION_VARIANTS
         ]
         if group:
             pooled = statistics.fmean(stats[n]["train_s"] for n in group)
             for n in group:
                 stats[n]["step_pooled_s"] = stats[n]["step_mean_s"] - stats[n]["train_s"] + pooled
     # their train phase is what they change: pooled only with itself
-    for n in (TRAINER_VARIANTS | DRAFTER_VARIANTS) & set(stats):
+    for n in (TRAINER_VARIANTS | DRAFTER_VARIANTS | PRECISION_VARIANTS) & set(stats):
         stats[n]["step_pooled_s"] = stats[n]["step_mean_s"]
 
 
@@ -311,10 +328,17 @@ def _mean_or_none(rows: list[dict], key: str):
 
 
 # ---- tables -----------------------------------------------------------------------
+def family(name: str) -> str:
+    """The workload a variant runs: "" (the default task), "longtail" or "wide"."""
+    return next((f for f in ("longtail", "wide") if name.startswith(f + " ")), "")
+
+
 def baseline_of(name: str) -> str:
     """The variant a variant is compared with: same task, same engine layout, no speculation."""
-    if name.startswith("longtail"):
-        return "longtail base"
+    if family(name):
+        return f"{family(name)} base"
+    if name in PRECISION_VARIANTS:
+        return "grpo_base bf16-mixed"
     return "grpo_base 2x1" if "2x1" in name else "grpo_base"
 
 
@@ -419,12 +443,17 @@ def verdict_text(stats: dict[str, dict]) -> str:
     def ratio(n: str, k: str = "step_s") -> str:
         return f"{stats[n][k] / stats[base_name(n)][k]:.2f}x {base_name(n)}"
 
-    spec = {n: s for n, s in stats.items() if s.get("speculation", "none") != "none" and n not in TRAINER_VARIANTS}
+    spec = {
+        n: s
+        for n, s in stats.items()
+        if s.get("speculation", "none") != "none" and n not in TRAINER_VARIANTS | PRECISION_VARIANTS
+    }
     out = []
     groups = (
-        ("one engine", {n: s for n, s in spec.items() if "2x1" not in n and not n.startswith("longtail")}),
+        ("one engine", {n: s for n, s in spec.items() if "2x1" not in n and not family(n)}),
         ("two engines", {n: s for n, s in spec.items() if "2x1" in n}),
-        ("long-tail task", {n: s for n, s in spec.items() if n.startswith("longtail")}),
+        ("long-tail task", {n: s for n, s in spec.items() if family(n) == "longtail"}),
+        ("wide pair", {n: s for n, s in spec.items() if family(n) == "wide"}),
     )
     for label, group in groups:
         if group:
@@ -696,10 +725,12 @@ def main(argv=None) -> int:
     from rl_specdec.toy.build import build_toy_models
 
     build_toy_models(log=log)  # once, before anything is timed
-    if "grpo" in sections and any(GRPO_VARIANTS[n][0].endswith("_longtail.yaml") for n in names):
+    if "grpo" in sections and any(GRPO_VARIANTS[n][0].endswith(("_longtail.yaml", "_wide.yaml")) for n in names):
         from rl_specdec.toy.longtail import build_longtail_models
+        from rl_specdec.toy.wide import build_wide_models
 
         build_longtail_models(log=log)
+        build_wide_models(log=log)
     report = [f"# rl_specdec benchmark{' (--quick)' if args.quick else ''}", "", f"_{head}_", ""]
     results: dict = {"header": head, "quick": args.quick}
 
@@ -750,7 +781,8 @@ def main(argv=None) -> int:
             except (RuntimeError, FileNotFoundError) as e:  # one broken variant must not lose the others' numbers
                 log(f"  SKIPPED {n}, seed {sd}: {e}")
                 results.setdefault("failed", {})[f"{n}, seed {sd}"] = str(e)
-        stats = {n: combine_seeds({sd: step_stats(r) for sd, r in per.items()}) for n, per in runs.items()}
+        per_seed = {n: {sd: step_stats(r) for sd, r in per.items()} for n, per in runs.items()}
+        stats = {n: combine_seeds(per_seed[n]) for n in per_seed}
         for n in stats:
             stats[n]["speculation"] = spec_label(*GRPO_VARIANTS[n])
             stats[n]["name"] = n
@@ -774,6 +806,9 @@ def main(argv=None) -> int:
             emit("Verdict", verdict)
         if {"grpo_spec", "grpo_spec policy 2x"} <= set(stats):
             emit("Policy workers", policy_workers_text(stats))
+        if PRECISION_VARIANTS & set(stats):
+            dirs = {n: {sd: run_dir(out, n, sd) for sd in per} for n, per in runs.items()}
+            emit("Precision: fp32 against bf16-mixed", precision_runs.precision_table(stats, per_seed, dirs))
 
     if "staleness" in sections:
         series = {}

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"held-out before: {fmt(before)} over {args.eval} episodes, temperature 1", flush=True)
         policy = PolicyGroup(
             PolicyConfig(
-                model_name=str(toy.policy), device="cpu", dtype="float32", learning_rate=args.lr, num_threads=cores
+                model_name=str(toy.policy), device="cpu", precision="fp32", learning_rate=args.lr, num_threads=cores
             ),
             seed=args.seed,
         )

@@ -2,8 +2,12 @@
 
     python examples/run_grpo.py --config configs/grpo_spec.yaml [key=value ...]
 
-Examples of overrides: grpo.max_steps=5  logger.log_dir=/tmp/run
-policy.generation.vllm_kwargs.speculative_config=null  resume=true
+Overrides set any key of the config (docs/grpo.md lists them all), e.g.
+  grpo.max_steps=5  logger.log_dir=/tmp/run  resume=true
+Speculation, in one line (a speculative_config is replaced, never merged):
+  policy.generation.vllm_kwargs.speculative_config=null           off
+  policy.generation.vllm_kwargs.speculative_config.method=ngram   another method, from its defaults
+  policy.generation.vllm_kwargs.speculative_config='{method: ngram, num_speculative_tokens: 3, prompt_lookup_max: 3}'
 The console shows a progress bar, validation lines and errors; ``--verbose``
 (or ``logger.level=info``) brings back vLLM's and Ray's logs.
 """
@@ -11,14 +15,52 @@ The console shows a progress bar, validation lines and errors; ``--verbose``
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
+from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _summary(path: Path) -> str:
+    """The first sentence of a config's header comment."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("# ").strip())
+    text = " ".join(lines)
+    end = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s|$)", text)
+    return text if end is None else text[: end.start() + 1]
+
+
+def _epilog() -> str:
+    shipped = "\n".join(f"  {p.name:<28} {_summary(p)}" for p in sorted(CONFIGS.glob("*.yaml")))
+    return (
+        f"shipped configs (configs/):\n{shipped}\n\n"
+        "outputs (logger.log_dir): metrics.jsonl (every logged key: docs/metrics.md), engine.yaml (what each engine\n"
+        "  really runs), sysinfo.txt, checkpoints/, wandb/ (offline run: wandb sync <log_dir>/wandb/offline-run-*)\n"
+        "plot: python -m rl_specdec.plot <log_dir> [<baseline log_dir>]\n"
+        "docs: README.md, docs/grpo.md (config reference), docs/speculative_decoding.md (methods and their YAML)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/grpo_spec.yaml")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="check the config, print it as written (toy:policy, auto) and exit; builds no model",
+    )
+    parser.add_argument(
+        "--resolved",
+        action="store_true",
+        help="with --print-config: print model paths, device, precision and engine dtype as resolved",
+    )
     parser.add_argument("--verbose", action="store_true", help="show vLLM's and Ray's logs (logger.level=info)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(argv)
@@ -27,9 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     from rl_specdec.metrics.console import configure_console
 
     configure_console("info" if args.verbose else "error")  # before anything imports vLLM
-    from rl_specdec.config import ConfigError, load_config, to_yaml
+    from rl_specdec.config import ConfigError, load_config, load_config_as_written, to_yaml
 
     try:
+        if args.print_config and not args.resolved:
+            print(to_yaml(load_config_as_written(args.config, overrides)))
+            return 0
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

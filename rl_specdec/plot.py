@@ -3,8 +3,9 @@
     python -m rl_specdec.plot LOG_DIR [LOG_DIR ...] [--out FILE.png] [--summary]
 
 Panels: reward and accuracy, spec-decode acceptance rate and length (with the
-per-position acceptance rates), time per phase, and the log-prob mismatch
-between generation and training. Several log dirs are overlaid (e.g.
+per-position acceptance rates), time per phase, the log-prob mismatch
+between generation and training, and (with run-time k) the k each
+batch-size bucket ran per step. Several log dirs are overlaid (e.g.
 grpo_spec against grpo_base).
 """
 
@@ -35,7 +36,7 @@ def plot(log_dirs: list[str], out: str) -> str:
     import matplotlib.pyplot as plt
 
     runs = {Path(d).name: read_metrics(d) for d in log_dirs}
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    fig, axes = plt.subplots(2, 4, figsize=(21, 8.5))
     ax = axes.ravel()
     for name, rows in runs.items():
         x, y = _series(rows, "train/reward_mean")
@@ -61,6 +62,7 @@ def plot(log_dirs: list[str], out: str) -> str:
         ax[4].plot(x, y, label=f"{name} mean |logp_train - logp_gen|")
         x, y = _series(rows, "generation/tokens_per_s")
         ax[5].plot(x, y, label=f"{name} generation tok/s")
+        _k_per_bucket(ax[6], name, rows)
     titles = [
         "reward / accuracy",
         "spec_decode acceptance rate",
@@ -68,7 +70,9 @@ def plot(log_dirs: list[str], out: str) -> str:
         "time per phase (s)",
         "log-prob mismatch (on-policy check)",
         "rollout throughput",
+        "k per batch-size bucket (run-time k)",
     ]
+    ax[7].axis("off")
     for a, t in zip(ax, titles):
         a.set_title(t)
         a.set_xlabel("step")
@@ -79,6 +83,19 @@ def plot(log_dirs: list[str], out: str) -> str:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     return out
+
+
+def _k_per_bucket(ax, name: str, rows: list[dict]) -> None:
+    """The k each batch-size bucket ran per step (``spec_decode/k_bucket_{lo}_{hi}``), one line per bucket."""
+    keys = sorted({k for r in rows for k in r if k.startswith("spec_decode/k_bucket_")}, key=_bucket_lo)
+    for key in keys:
+        x, y = _series(rows, key)
+        lo, hi = key.rsplit("_", 2)[-2:]
+        ax.plot(x, y, drawstyle="steps-post", label=f"{name} {lo}-{hi} running")
+
+
+def _bucket_lo(key: str) -> int:
+    return int(key.rsplit("_", 2)[-2])
 
 
 def _mean(xs):

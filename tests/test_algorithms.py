@@ -310,3 +310,22 @@ def test_drafter_subset_is_bounded_seeded_and_complete_when_unbounded():
     a, b, c = drafter_subset(128, 32, step=3), drafter_subset(128, 32, step=3), drafter_subset(128, 32, step=4)
     assert len(a) == 32 == len(set(a)) and a == sorted(a) and all(0 <= i < 128 for i in a)
     assert a == b and a != c  # seeded by the step: reproducible, and a different subset each step
+
+
+def test_plot_draws_k_per_bucket_in_bucket_order():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rl_specdec.plot import _k_per_bucket
+
+    rows = [
+        {"step": s, "spec_decode/k_bucket_16_31": 0.0, "spec_decode/k_bucket_1_1": 5.0, "spec_decode/k_bucket_2_3": s}
+        for s in range(1, 4)
+    ]
+    fig, ax = plt.subplots()
+    _k_per_bucket(ax, "run", rows)
+    assert [line.get_label() for line in ax.lines] == ["run 1-1 running", "run 2-3 running", "run 16-31 running"]
+    assert list(ax.lines[1].get_ydata()) == [1, 2, 3]
+    plt.close(fig)

@@ -79,17 +79,73 @@ def test_cluster_check_counts_policy_and_engines():
         check_cluster_resources(cpu, {"CPU": 2})
 
 
-def test_device_and_dtype_are_resolved_once_at_load():
+def test_device_precision_and_engine_dtype_are_resolved_once_at_load():
     from rl_specdec.config import PolicyConfig, resolve_device_and_dtype
 
     cfg = load_config(SPEC, resolve_models=False)
-    assert (cfg.policy.device, cfg.policy.dtype) == ("cpu", "float32")  # this machine has no CUDA
+    p = cfg.policy
+    assert (p.device, p.precision, p.generation.vllm_kwargs["dtype"]) == ("cpu", "fp32", "float32")  # no CUDA here
     gpu = PolicyConfig()
     resolve_device_and_dtype(gpu, cuda_available=True)
-    assert (gpu.device, gpu.dtype) == ("cuda", "bfloat16")
-    fixed = PolicyConfig(device="cuda", dtype="float32")
+    assert (gpu.device, gpu.precision, gpu.generation.vllm_kwargs["dtype"]) == ("cuda", "bf16-mixed", "bfloat16")
+    fixed = PolicyConfig(device="cuda", precision="fp32")
     resolve_device_and_dtype(fixed, cuda_available=False)
-    assert (fixed.device, fixed.dtype) == ("cuda", "float32")  # explicit values stay (a CPU head, GPU workers)
+    assert (fixed.device, fixed.precision) == ("cuda", "fp32")  # explicit values stay (a CPU head, GPU workers)
+
+
+@pytest.mark.parametrize("precision, engines", [("fp32", "float32"), ("bf16-mixed", "bfloat16"), ("bf16", "bfloat16")])
+def test_engines_follow_the_precision_without_a_warning(precision, engines):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a matched pair warns nothing
+        cfg = load_config(SPEC, [f"policy.precision={precision}"], resolve_models=False)
+    assert (cfg.policy.precision, cfg.policy.generation.vllm_kwargs["dtype"]) == (precision, engines)
+
+
+def test_engine_dtype_is_checked_against_the_precision():
+    key = "policy.generation.vllm_kwargs.dtype"
+    for fp16 in ("float16", "half"):  # no trainer precision goes with fp16 engines: refused, with the fix
+        with pytest.raises(
+            ConfigError, match=rf"{key}=float16: .*no matching precision.*Remove {key}.*policy.precision=bf16-mixed"
+        ):
+            load_config(SPEC, [f"{key}={fp16}"], resolve_models=False)
+    # set apart on purpose: allowed, with a warning that names the cost and the fix
+    with pytest.warns(
+        UserWarning, match=rf"{key}=bfloat16 with policy.precision=fp32: .*policy.precision=bf16-mixed trains faster"
+    ):
+        cfg = load_config(SPEC, [f"{key}=bfloat16"], resolve_models=False)
+    assert (cfg.policy.precision, cfg.policy.generation.vllm_kwargs["dtype"]) == ("fp32", "bfloat16")
+    with pytest.warns(UserWarning, match=rf"{key}=float32 with policy.precision=bf16-mixed: .*Remove {key}"):
+        load_config(SPEC, ["policy.precision=bf16-mixed", f"{key}=float"], resolve_models=False)
+
+
+def test_bad_precision_names_the_key_and_the_choices():
+    with pytest.raises(
+        ConfigError,
+        match=r"policy.precision='fp16' must be auto, fp32, bf16-mixed or bf16: bf16-mixed keeps fp32 weights",
+    ):
+        load_config(SPEC, ["policy.precision=fp16"], resolve_models=False)
+
+
+def test_the_replaced_dtype_key_names_its_successor(tmp_path):
+    for old, new in (("float32", "fp32"), ("bfloat16", "bf16-mixed"), ("auto", "auto")):
+        with pytest.raises(
+            ConfigError,
+            match=rf"policy.dtype={old} was replaced by policy.precision .*"
+            rf"set policy.precision={new}\b.* and remove policy.dtype",
+        ):
+            load_config(SPEC, [f"policy.dtype={old}"], resolve_models=False)
+    old_file = tmp_path / "old.yaml"  # a config written before policy.precision
+    old_file.write_text(f"defaults: [{SPEC}]\npolicy: {{dtype: bfloat16}}\n")
+    with pytest.raises(ConfigError, match="policy.dtype=bfloat16 was replaced by policy.precision"):
+        load_config(old_file, resolve_models=False)
+
+
+@pytest.mark.parametrize("name", sorted(STATED_HARDWARE))
+def test_gpu_configs_train_bf16_mixed_with_bf16_engines(name):
+    cfg = load_config(ROOT / "configs" / name, ["policy.device=cuda", "cluster.address=auto"], resolve_models=False)
+    assert (cfg.policy.precision, cfg.policy.generation.vllm_kwargs["dtype"]) == ("bf16-mixed", "bfloat16")
 
 
 def test_gpu_configs_point_at_real_pairs():
@@ -97,7 +153,7 @@ def test_gpu_configs_point_at_real_pairs():
     assert eagle.policy.model_name == "Qwen/Qwen3-8B"
     assert eagle.policy.generation.vllm_kwargs["speculative_config"]["method"] == "eagle3"
     ngram = load_config(ROOT / "configs/qwen3_ngram.yaml", resolve_models=False)
-    assert "model" not in ngram.policy.generation.vllm_kwargs["speculative_config"]  # _replace_ dropped the drafter
+    assert "model" not in ngram.policy.generation.vllm_kwargs["speculative_config"]  # replaced, not merged
 
 
 def test_resolved_toy_config_fills_rl_defaults():

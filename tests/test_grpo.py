@@ -1,5 +1,6 @@
 """End-to-end GRPO on the toy: real Ray, real vLLM with speculation, real wandb (offline)."""
 
+import importlib.util
 import json
 import logging
 import math
@@ -283,3 +284,27 @@ def test_canary_disable_restarts_the_engines_without_speculation(tmp_path, monke
     assert rows[5]["train/logprob_mismatch"] < MISMATCH_THRESHOLD, (
         "the restarted engines do not hold the trainer's weights"
     )
+
+
+def test_dashboard_panels_are_all_in_a_real_run(uninterrupted):
+    """Every panel of the dashboard has its keys in a real speculative run with drafter training (run-time k's
+    buckets are absent: this run does not use speculation_control)."""
+    from rl_specdec import dashboard
+
+    keys = dashboard.run_keys(uninterrupted)
+    for section, panels in dashboard.SECTIONS.items():
+        for p in panels:
+            wanted = [k for k in p.keys + p.optional if k != "timing/checkpoint" or "timing/checkpoint" in keys]
+            assert all(k in keys for k in wanted), (section, p.title, [k for k in wanted if k not in keys])
+            if p.families and "k_bucket" not in p.families[0]:
+                assert dashboard.panel_keys(p, keys), (section, p.title)
+    shown = {title for rows in dashboard.layout(keys).values() for title, _ in rows}
+    everything = {p.title for panels in dashboard.SECTIONS.values() for p in panels}
+    assert everything - shown == {"k per batch-size bucket"}
+    if importlib.util.find_spec("wandb_workspaces") is None:
+        return  # the workspace object needs the package (pyproject extra `dashboard`)
+    import wandb_workspaces.workspaces as ws
+
+    workspace = dashboard.build_workspace("entity", "project", keys)
+    assert isinstance(workspace, ws.Workspace)
+    assert [s.name for s in workspace.sections] == list(dashboard.layout(keys))

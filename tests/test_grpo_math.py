@@ -37,7 +37,7 @@ NO_CLIP = 1e9  # max_grad_norm that never clips
 
 
 def _config(micro_batch_size: int = 64, max_grad_norm: float = NO_CLIP) -> PolicyConfig:
-    return PolicyConfig(device="cpu", dtype="float32", micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
+    return PolicyConfig(device="cpu", precision="fp32", micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
 
 
 class Unigram(torch.nn.Module):

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import actor_states, wait_until
+from conftest import BF16_UNIT, actor_states, adam_step_from_checkpoint, assert_adam_first_step, gradient, wait_until
 from rl_specdec.config import PolicyConfig, load_config
 from rl_specdec.grpo import ClippedPGLoss
 from rl_specdec.grpo.batch import Trajectory, build_train_batch
@@ -35,7 +35,7 @@ TOL = 1e-5  # on parameters after Adam steps of lr = 1e-4 (float summation order
 
 
 def policy_config(path, **kw) -> PolicyConfig:
-    return PolicyConfig(model_name=str(path), device="cpu", dtype="float32", micro_batch_size=2, **kw)
+    return PolicyConfig(**{"model_name": str(path), "device": "cpu", "precision": "fp32", "micro_batch_size": 2, **kw})
 
 
 def make_batch(tokenizer, seed: int, n: int = 7) -> dict[str, torch.Tensor]:
@@ -124,7 +124,9 @@ def group(cluster, toy):
 
     def get(name: str) -> PolicyGroup:
         if name not in live or not live[name].workers:
-            live[name] = PolicyGroup(policy_config(toy.policy, **GROUPS[name]), keep_reference=True, seed=0)
+            live[name] = PolicyGroup(
+                policy_config(toy.policy, **{**GROUPS, **MIXED}[name]), keep_reference=True, seed=0
+            )
         return live[name]
 
     yield get
@@ -226,6 +228,68 @@ def test_dead_worker_is_named_and_the_checkpoint_survives(group, toy, reference,
     w = started(toy.policy)
     w.load_checkpoint(str(tmp_path / "ckpt"))
     assert set(snapshot(w)) == set(reference["before"])
+
+
+# ---- bf16-mixed: two workers take one worker's step, to bf16 rounding ----------------------------------
+MIXED = {
+    # autocast, fp32 gradients all-reduced
+    "ddp bf16-mixed": dict(num_workers=2, strategy="ddp", precision="bf16-mixed"),
+    # MixedPrecisionPolicy: bf16 compute, fp32 reduce-scatter
+    "fsdp2 bf16-mixed": dict(num_workers=2, strategy="fsdp2", precision="bf16-mixed"),
+}
+
+
+@pytest.fixture(scope="module")
+def one_worker_steps(toy, reference, tmp_path_factory) -> dict[str, dict]:
+    """From the reference's initial checkpoint, one worker's step on its batch in fp32 and in bf16-mixed
+    (this process)."""
+    out = {}
+    for precision in ("fp32", "bf16-mixed"):
+        w = started(toy.policy, precision=precision)
+        w.load_checkpoint(reference["initial"])
+        metrics = w.train_step(reference["batch"], LOSS)
+        path = tmp_path_factory.mktemp(precision) / "ckpt"
+        w.save_checkpoint(str(path))
+        out[precision] = {"metrics": metrics, **adam_step_from_checkpoint(path)}
+    return out
+
+
+@pytest.mark.parametrize("name", list(MIXED))
+def test_bf16_mixed_two_workers_take_one_workers_step(group, reference, one_worker_steps, tmp_path, name):
+    """The tolerance is the error one worker's bf16 step itself makes against the fp32 step, eps1 for the
+    gradient (measured 1.5 x 2^-8) and d1 for the master weights. Two workers must compute in bf16 too
+    and be as accurate within a factor 2 (FSDP2's bf16 compute is not autocast's: measured 1.35 eps1;
+    DDP's is: 1.0 eps1), so by the triangle inequality they take one worker's step within 3 eps1 and
+    3 d1 (measured 1.7 eps1 and 1.2 d1 for FSDP2, 0.3 eps1 and 0.3 d1 for DDP). The grad norm tells a
+    sum from an average; each run's fp32 master weights are AdamW's step of its own gradient."""
+    import ray
+
+    g = group(name)
+    g.load_checkpoint(reference["initial"])
+    metrics = g.train_step(reference["batch"], LOSS)
+    g.save_checkpoint(str(tmp_path / "two"))
+    refit = ray.get(g.state_dict_for_refit())
+    two = adam_step_from_checkpoint(tmp_path / "two")
+    fp32, one = one_worker_steps["fp32"], one_worker_steps["bf16-mixed"]
+    g32, g1, g2 = gradient(fp32), gradient(one), gradient(two)
+    eps1, eps2 = float((g1 - g32).norm() / g32.norm()), float((g2 - g32).norm() / g32.norm())
+    # one worker computed in bf16 (in fp32, with the bf16 reference, it is 4e-4)
+    assert BF16_UNIT / 4 < eps1 < 8 * BF16_UNIT, eps1
+    assert BF16_UNIT / 4 < eps2 <= 2 * eps1, (eps1, eps2)  # two workers too, as accurately
+    assert (g2 - g1).norm() <= 3 * eps1 * g32.norm(), (eps1, float((g2 - g1).norm() / g32.norm()))
+    assert metrics["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=2 * eps1)  # summed, not averaged
+    before = adam_step_from_checkpoint(reference["initial"])["params"]
+    assert_adam_first_step(before, two, lr=1e-4)  # fp32 master weights and moments, stepped in fp32
+
+    def dist(a, b) -> float:
+        return (
+            sum(float((a["params"][n].double() - b["params"][n].double()).norm() ** 2) for n in fp32["exp_avg"]) ** 0.5
+        )
+
+    d1 = dist(one, fp32)
+    assert dist(two, fp32) <= 2 * d1 and dist(two, one) <= 3 * d1, (d1, dist(two, fp32), dist(two, one))
+    assert {t.dtype for t in refit.values()} == {torch.bfloat16}  # the engines' dtype
+    assert all(torch.equal(refit[n], two["params"][n].to(torch.bfloat16)) for n in fp32["exp_avg"])
 
 
 # ---- a whole GRPO run -------------------------------------------------------------------------

@@ -24,7 +24,7 @@ def _batch():
 
 def started(path, **kw) -> PolicyWorker:
     """One worker in this process, as the single-worker group runs it (CPU, float32)."""
-    w = PolicyWorker(PolicyConfig(model_name=str(path), device="cpu", dtype="float32", **kw), seed=0)
+    w = PolicyWorker(PolicyConfig(model_name=str(path), device="cpu", precision="fp32", **kw), seed=0)
     w.start()
     return w
 

@@ -16,10 +16,11 @@ from rl_specdec.config.generation import (
     GenerationConfig,
     SpeculationControlConfig,
 )
+from rl_specdec.config.layers import parse_overrides
 from rl_specdec.config.load import (
     check_cluster_resources,
     load_config,
-    parse_overrides,
+    load_config_as_written,
     resolve_device_and_dtype,
     resolve_model_paths,
     to_dict,
@@ -55,6 +56,7 @@ __all__ = [
     "WandbConfig",
     "check_cluster_resources",
     "load_config",
+    "load_config_as_written",
     "parse_overrides",
     "resolve_device_and_dtype",
     "resolve_model_paths",

@@ -5,6 +5,10 @@ Each error names the key and the fix. None of these needs a model file.
 
 from __future__ import annotations
 
+import difflib
+import inspect
+
+from rl_specdec.config import precision
 from rl_specdec.config.schema import LOG_LEVELS, PolicyConfig, RunConfig
 from rl_specdec.config.speculation import validate_speculation
 from rl_specdec.errors import ConfigError
@@ -41,8 +45,7 @@ def validate(cfg: RunConfig) -> None:
     positive("policy.learning_rate", p.learning_rate)
     positive("policy.max_grad_norm", p.max_grad_norm)
     positive("policy.micro_batch_size", p.micro_batch_size)
-    if p.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ConfigError(f"policy.dtype={p.dtype!r} must be one of auto, float32, bfloat16, float16")
+    precision.validate(p.precision)
     validate_policy_parallel(p)
     positive("policy.generation.num_engines", gen.num_engines)
     positive("policy.generation.cpus_per_engine", gen.cpus_per_engine)
@@ -58,8 +61,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"policy.generation.top_p={gen.top_p} must be in (0, 1]")
     if cfg.logger.level.lower() not in LOG_LEVELS:
         raise ConfigError(f"logger.level={cfg.logger.level!r} must be one of {', '.join(LOG_LEVELS)}")
-    if cfg.logger.wandb.mode not in ("offline", "online", "disabled"):
-        raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r} must be offline, online or disabled")
+    validate_wandb(cfg.logger.wandb)
     positive("checkpoint.every", cfg.checkpoint.every)
     positive("checkpoint.keep", cfg.checkpoint.keep)
     validate_speculation(gen)
@@ -67,6 +69,7 @@ def validate(cfg: RunConfig) -> None:
 
     if cfg.task.name not in TASKS:
         raise ConfigError(f"task.name={cfg.task.name!r} is not a known task; choose one of {sorted(TASKS)}")
+    check_task_kwargs(cfg.task.name, TASKS[cfg.task.name], cfg.task.kwargs)
     if cfg.cluster.placement_strategy not in PLACEMENT_STRATEGIES:
         raise ConfigError(
             f"cluster.placement_strategy={cfg.cluster.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or "
@@ -81,6 +84,40 @@ def validate(cfg: RunConfig) -> None:
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def validate_wandb(w) -> None:
+    """``logger.wandb``: the mode, and names within wandb's limits (group 128 characters, tags 64)."""
+    if w.mode not in ("offline", "online", "disabled"):
+        raise ConfigError(f"logger.wandb.mode={w.mode!r} must be offline, online or disabled")
+    for key, value, most in (("entity", w.entity, 128), ("group", w.group, 128), ("name", w.name, 128)):
+        if value is not None and not 0 < len(str(value).strip()) <= most:
+            raise ConfigError(f"logger.wandb.{key}={value!r} must be 1 to {most} characters, or null")
+    for i, tag in enumerate(w.tags):
+        if not 0 < len(str(tag).strip()) <= 64 or "," in str(tag):
+            raise ConfigError(
+                f"logger.wandb.tags[{i}]={tag!r}: a tag is 1 to 64 characters without a comma; "
+                "write tags as a list, e.g. logger.wandb.tags=[spec,qwen3]"
+            )
+
+
+def check_task_kwargs(name: str, task_cls, kwargs: dict) -> None:
+    """Every key of ``task.kwargs`` is an argument of the task's constructor (checked against its signature)."""
+    params = inspect.signature(task_cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for k in kwargs:
+        if k not in valid:
+            close = difflib.get_close_matches(k, valid, n=1, cutoff=0.6)
+            hint = f" Did you mean task.kwargs.{close[0]}?" if close else ""
+            raise ConfigError(
+                f"task.kwargs.{k} is not an argument of task {name!r} ({task_cls.__name__}).{hint} "
+                f"Its arguments: {', '.join(valid)}."
+            )
+    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n in valid and n not in kwargs]
+    if missing:
+        raise ConfigError(f"task {name!r} ({task_cls.__name__}) needs task.kwargs.{missing[0]}; set it.")
 
 
 def validate_policy_parallel(p: PolicyConfig) -> None:

@@ -5,70 +5,40 @@
 1. reads the YAML (and, recursively, the files named in its ``defaults:`` list,
    relative to it; later files override earlier ones, the file itself last);
 2. applies command-line ``key=value`` overrides (any key, ``null`` allowed);
+   ``speculative_config`` is replaced rather than merged (:mod:`rl_specdec.config.layers`);
 3. merges onto the typed schema below, so an unknown key or a wrong type fails
    with the key's full name and the closest valid names;
 4. checks values (ranges, combinations) and the speculative config against
    vLLM's own declarations (:mod:`rl_specdec.config.vllm_kwargs`);
 5. resolves model names: ``toy:policy`` / ``toy:drafter`` are the embedded toy
    models (built and cached the first time), a local-looking path must exist;
-6. resolves ``device: auto`` and ``dtype: auto`` once, for the trainer and the
-   engines together (:func:`resolve_device_and_dtype`; on a cluster whose head
-   has no GPU but whose workers do, set ``policy.device=cuda``).
+   then checks ``vllm_kwargs`` against vLLM and the backend it runs on;
+6. resolves ``device: auto``, ``precision: auto`` and the engines' dtype once,
+   for the trainer and the engines together, and checks that they go together
+   (:func:`resolve_device_and_dtype`; on a cluster whose head has no GPU but
+   whose workers do, set ``policy.device=cuda``).
 
 Everything happens before any Ray actor starts, so a bad config costs seconds.
+:func:`load_config_as_written` runs every check but resolves nothing and builds
+no model: the config as the user wrote it (``--print-config``).
 ``${...}`` interpolation works as in any OmegaConf file.
 """
 
+import copy
 import difflib
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from rl_specdec.config import checks
+from rl_specdec.config import checks, precision
 from rl_specdec.config.checks import validate
+from rl_specdec.config.layers import apply_overrides, read_yaml
 from rl_specdec.config.schema import TOY_MODELS, TOY_PREFIX, PolicyConfig, RunConfig
 from rl_specdec.errors import ConfigError
-
-
-def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
-    path = path.resolve()
-    if path in seen:
-        raise ConfigError(f"{path}: 'defaults' forms a cycle through {[str(p) for p in seen]}")
-    if not path.is_file():
-        raise ConfigError(
-            f"config file {path} does not exist; pass an existing YAML, e.g. --config configs/grpo_spec.yaml"
-        )
-    try:
-        cfg = OmegaConf.load(path)
-    except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
-    if not isinstance(cfg, DictConfig):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    defaults = cfg.pop("defaults", None) or []
-    if isinstance(defaults, str):
-        defaults = [defaults]
-    merged = OmegaConf.create()
-    for base in defaults:
-        merged = OmegaConf.merge(merged, _read_yaml(path.parent / str(base), seen + (path,)))
-    _apply_replace_markers(merged, cfg)
-    return OmegaConf.merge(merged, cfg)
-
-
-def _apply_replace_markers(base: DictConfig, child: DictConfig, prefix: str = "") -> None:
-    """A mapping with ``_replace_: true`` replaces the inherited one instead of merging into it."""
-    for k in list(child.keys()):
-        node = child._get_node(k)
-        if isinstance(node, DictConfig):
-            if node.get("_replace_", False):
-                del node["_replace_"]
-                if k in base:
-                    base[k] = None
-            elif isinstance(base.get(k), DictConfig):
-                _apply_replace_markers(base[k], node, f"{prefix}{k}.")
 
 
 def _all_keys(node: Any, prefix: str = "") -> list[str]:
@@ -81,6 +51,21 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
 
 
 RENAMED = {"env": "task"}  # an old key -> its new name
+
+
+def _refuse_replaced_keys(raw: DictConfig) -> None:
+    """``policy.dtype`` became ``policy.precision`` (and the engines' ``vllm_kwargs.dtype``): say so,
+    with the new value."""
+    policy = raw.get("policy")
+    if isinstance(policy, DictConfig) and "dtype" in policy:
+        old = policy.get("dtype")
+        bf16 = "bf16-mixed (or bf16: weights and AdamW state in bf16 too)"
+        new = {"auto": "auto", "bfloat16": bf16}.get(str(old), "fp32")
+        raise ConfigError(
+            f"policy.dtype={old} was replaced by policy.precision (fp32 | bf16-mixed | bf16 | auto; "
+            f'docs/grpo.md, "Precision"): set policy.precision={new} and remove policy.dtype. '
+            "The engines' dtype follows the precision; policy.generation.vllm_kwargs.dtype sets it apart."
+        )
 
 
 def _wrap_omegaconf_error(e: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
@@ -101,23 +86,11 @@ def _wrap_omegaconf_error(e: OmegaConfBaseException, schema: DictConfig) -> Conf
     return ConfigError(f"config key '{key}': {e}")
 
 
-def parse_overrides(overrides: list[str]) -> DictConfig:
-    for o in overrides:
-        if "=" not in o or o.startswith("="):
-            raise ConfigError(f"override {o!r} is not of the form key=value (e.g. grpo.max_steps=5)")
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"could not parse overrides {overrides}: {e}") from e
-
-
-def load_config(
-    path: str | os.PathLike | None = None, overrides: list[str] | None = None, *, resolve_models: bool = True
-) -> RunConfig:
-    """Load, merge, type-check, validate and resolve a run config. See module doc."""
+def _load_unresolved(path: str | os.PathLike | None, overrides: list[str] | None) -> RunConfig:
     schema = OmegaConf.structured(RunConfig)
-    raw = _read_yaml(Path(path)) if path else OmegaConf.create()
-    raw = OmegaConf.merge(raw, parse_overrides(overrides or []))
+    raw = read_yaml(Path(path)) if path else OmegaConf.create()
+    raw = apply_overrides(raw, list(overrides or []))
+    _refuse_replaced_keys(raw)
     try:
         merged = OmegaConf.merge(schema, raw)
         OmegaConf.resolve(merged)
@@ -125,9 +98,26 @@ def load_config(
     except OmegaConfBaseException as e:
         raise _wrap_omegaconf_error(e, schema) from e
     validate(cfg)
+    return cfg
+
+
+def load_config(
+    path: str | os.PathLike | None = None, overrides: list[str] | None = None, *, resolve_models: bool = True
+) -> RunConfig:
+    """Load, merge, type-check, validate and resolve a run config. See module doc."""
+    cfg = _load_unresolved(path, overrides)
     resolve_device_and_dtype(cfg.policy)
     if resolve_models:
         resolve_model_paths(cfg)
+    return cfg
+
+
+def load_config_as_written(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """The config as written (``toy:policy``, ``auto``), after every check of :func:`load_config`; builds nothing."""
+    cfg = _load_unresolved(path, overrides)
+    probe = copy.deepcopy(cfg)
+    resolve_device_and_dtype(probe.policy)
+    resolve_model_paths(probe, build_toy=False)
     return cfg
 
 
@@ -140,17 +130,22 @@ def _resolve_one(name: str, key: str, toy_paths) -> str:
         if which not in TOY_MODELS:
             raise ConfigError(f"{key}={name!r}: the embedded models are {', '.join('toy:' + m for m in TOY_MODELS)}")
         pair, attr = TOY_MODELS[which]
-        return str(getattr(toy_paths(pair), attr))
+        paths = toy_paths(pair)
+        return name if paths is None else str(getattr(paths, attr))
     looks_local = name.startswith(("/", "./", "../", "~")) or os.path.exists(name)
     if looks_local and not Path(os.path.expanduser(name)).is_dir():
         raise ConfigError(f"{key}={name!r} is not a directory; give a local Hugging Face model folder or a hub id")
     return os.path.expanduser(name) if looks_local else name
 
 
-def resolve_model_paths(cfg: RunConfig) -> None:
-    """Replace toy:* names with built folders and check local paths; then validate vllm_kwargs."""
-    from rl_specdec.config.vllm_kwargs import validate_vllm_kwargs
+def resolve_model_paths(cfg: RunConfig, build_toy: bool = True) -> None:
+    """Replace toy:* names with built folders and check local paths; then validate vllm_kwargs.
+
+    ``build_toy=False`` leaves toy:* names as they are (nothing is built) and skips the vocabulary comparison.
+    """
+    from rl_specdec.config.vllm_kwargs import check_backend_runs, validate_vllm_kwargs
     from rl_specdec.vllm_ext import check_vllm
+    from rl_specdec.vllm_ext.platform import is_cpu
 
     gen = cfg.policy.generation
     check_vllm(gen.allow_untested_vllm, gen.vllm_hook_features())  # before anything else reads vLLM
@@ -158,11 +153,15 @@ def resolve_model_paths(cfg: RunConfig) -> None:
     cache: dict[str, Any] = {}
 
     def toy_paths(pair: str):
+        if not build_toy:
+            return None
         if pair not in cache:
             from rl_specdec.toy.build import build_toy_models
             from rl_specdec.toy.longtail import build_longtail_models
+            from rl_specdec.toy.wide import build_wide_models
 
-            cache[pair] = {"digits": build_toy_models, "longtail": build_longtail_models}[pair]()
+            builders = {"digits": build_toy_models, "longtail": build_longtail_models, "wide": build_wide_models}
+            cache[pair] = builders[pair]()
         return cache[pair]
 
     cfg.policy.model_name = _resolve_one(cfg.policy.model_name, "policy.model_name", toy_paths)
@@ -170,22 +169,27 @@ def resolve_model_paths(cfg: RunConfig) -> None:
     spec = kw.get("speculative_config")
     if spec and spec.get("model"):
         spec["model"] = _resolve_one(spec["model"], "policy.generation.vllm_kwargs.speculative_config.model", toy_paths)
-    if "dtype" not in kw or kw["dtype"] in (None, "auto"):
-        # The engine samples in the trainer's precision, so generation and training log-probs agree.
-        kw["dtype"] = cfg.policy.dtype
-    cfg.policy.generation.vllm_kwargs = validate_vllm_kwargs(kw, cfg.policy.model_name, training=True)
+    check_backend_runs(kw.get("speculative_config"), on_cpu=cfg.policy.device == "cpu" and is_cpu())
+    with warnings.catch_warnings():
+        if not build_toy:  # toy:* names are not folders yet: nothing to compare vocabularies with
+            warnings.simplefilter("ignore")
+        kw = validate_vllm_kwargs(kw, cfg.policy.model_name, training=True)
+    cfg.policy.generation.vllm_kwargs = kw
 
 
 def resolve_device_and_dtype(p: PolicyConfig, cuda_available: bool | None = None) -> None:
     """Replace 'auto' once, at load: device cuda where the loading process sees CUDA, else cpu;
-    dtype bfloat16 on cuda, float32 on cpu. Workers and engines use what this leaves.
+    precision bf16-mixed on cuda, fp32 on cpu; the engines' dtype (``vllm_kwargs.dtype``) the
+    precision's compute dtype unless set, checked against the precision. Workers and engines use what
+    this leaves.
 
     On a Ray cluster whose head has no GPU but whose workers do, set ``policy.device=cuda``.
     """
     if p.device == "auto":
         p.device = "cuda" if (checks.cuda_available() if cuda_available is None else cuda_available) else "cpu"
-    if p.dtype == "auto":
-        p.dtype = "bfloat16" if p.device == "cuda" else "float32"
+    p.precision = precision.resolve(p.precision, p.device)
+    p.generation.vllm_kwargs["dtype"] = precision.engine_dtype(p)  # the engine samples in the trainer's compute dtype
+    precision.check_pairing(p.precision, p.generation.vllm_kwargs["dtype"])
 
 
 def check_cluster_resources(cfg: RunConfig, resources: dict[str, float]) -> None:

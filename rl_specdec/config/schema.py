@@ -16,13 +16,18 @@ TOY_MODELS = {
     "drafter-untrained": ("digits", "drafter_untrained"),
     "longtail-policy": ("longtail", "policy"),
     "longtail-drafter": ("longtail", "drafter"),
+    "wide-policy": ("wide", "policy"),
+    "wide-drafter": ("wide", "drafter"),
 }
 
 
 @dataclass
 class PolicyConfig:
     model_name: str = "toy:policy"  # "toy:policy", a local HF folder, or a hub id
-    dtype: str = "auto"  # auto (bf16 where the run has GPUs, fp32 on CPU) | float32 | bfloat16; engines use the same
+    # auto (bf16-mixed where the run has GPUs, fp32 on CPU) | fp32 | bf16-mixed | bf16: the trainer's master
+    # weights, AdamW state and compute (rl_specdec/policy/precision.py); the engines' dtype follows unless
+    # vllm_kwargs.dtype is set
+    precision: str = "auto"
     learning_rate: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -75,6 +80,10 @@ class WandbConfig:
     mode: str = "offline"  # offline | online | disabled
     project: str = "rl_specdec"
     name: Optional[str] = None
+    entity: Optional[str] = None  # team or user the run belongs to (default: wandb's default entity)
+    group: Optional[str] = None  # runs of one group sit together (default: the run's name, e.g. grpo_spec)
+    tags: list[str] = field(default_factory=list)
+    notes: Optional[str] = None
 
 
 @dataclass

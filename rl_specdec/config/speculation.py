@@ -16,6 +16,17 @@ KEY = "policy.generation"
 CONTROL_KEY = f"{KEY}.speculation_control"
 CONTROL_MODES = ("off", "fixed", "adaptive")
 
+# What a method switch starts from (``speculative_config.method=ngram`` on the command line:
+# rl_specdec.config.layers). A method with a drafter still needs ``model``; MTP reads the policy's own layers.
+METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "draft_model": {"num_speculative_tokens": 3, "draft_sample_method": "probabilistic"},
+    "eagle": {"num_speculative_tokens": 3, "draft_sample_method": "probabilistic"},
+    "eagle3": {"num_speculative_tokens": 3, "draft_sample_method": "probabilistic"},
+    "mtp": {"num_speculative_tokens": 1, "draft_sample_method": "probabilistic"},
+    "ngram": {"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    "suffix": {"num_speculative_tokens": 8},
+}
+
 # Why online drafter training covers draft_model only (docs/speculative_decoding.md, "The drafter's lifecycle").
 NOT_TRAINABLE = {
     "ngram": "proposes from the prompt and history: there is no drafter model to train",

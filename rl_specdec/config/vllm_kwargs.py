@@ -210,3 +210,36 @@ def validate_speculative_config(
     if needs_model and policy_load_format == "dummy" and "draft_load_config" not in out:
         out["draft_load_config"] = {"load_format": "auto"}
     return out
+
+
+# Methods rl_specdec runs on vLLM's CPU backend: the ones its losslessness tests start on CPU (suffix also
+# needs arctic-inference). The others have no CPU drafter here: EAGLE heads and MTP layers need a policy
+# trained with them, and are not tested on this backend.
+CPU_METHODS = ("draft_model", "ngram", "suffix")
+
+
+def check_backend_runs(
+    spec: dict[str, Any] | None,
+    *,
+    on_cpu: bool,
+    key: str = "policy.generation.vllm_kwargs.speculative_config",
+    has_arctic_inference: bool | None = None,
+) -> None:
+    """Refuse a speculation method the backend cannot run: on CPU only CPU_METHODS; suffix needs arctic-inference."""
+    method = (spec or {}).get("method")
+    if method not in declarations.speculative_methods():
+        return  # none, or one validate_speculative_config refuses with the list of methods
+    if on_cpu and method not in CPU_METHODS:
+        raise ConfigError(
+            f"{key}.method={method!r} does not run on vLLM's CPU backend: on CPU rl_specdec runs "
+            f"{', '.join(CPU_METHODS)} only (docs/speculative_decoding.md, 'The methods'). Switch method with "
+            f"{key}.method=ngram (or draft_model with a model), or run on GPUs."
+        )
+    if method == "suffix":
+        found = declarations.has_arctic_inference() if has_arctic_inference is None else has_arctic_inference
+        if not found:
+            raise ConfigError(
+                f"{key}.method='suffix' needs the arctic-inference package, which is not installed: run "
+                "bash scripts/install_arctic_inference.sh (CPU) or pip install arctic-inference (GPU), "
+                f"or use {key}.method=ngram."
+            )

@@ -14,7 +14,10 @@ Loss, per generated position t with top-k ids ``j`` and policy log-probs
     loss = - sum_j p_j log q(j | prefix_t)          (soft cross-entropy)
     kl   =   sum_j p_j (log p_j - log q(j | prefix_t))  (logged as drafter/kl)
 
-averaged over positions. :class:`DrafterTrainer` is plain torch (one process);
+averaged over positions. The drafter follows ``policy.precision``
+(:mod:`rl_specdec.policy.precision`): under bf16-mixed it keeps fp32 weights
+and AdamW state, computes under bf16 autocast and sends its refit in the
+engines' dtype. :class:`DrafterTrainer` is plain torch (one process);
 :class:`RayDrafter` runs it in its own Ray actor, so its step can overlap the
 policy's update (``drafter_training.overlap``).
 """
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from rl_specdec.config.generation import DrafterTrainingConfig
+from rl_specdec.policy import precision as prec
 
 
 def distill_batch(
@@ -86,18 +90,25 @@ class DrafterTrainer:
         self,
         model_path: str,
         cfg: DrafterTrainingConfig,
-        dtype: str = "float32",
+        precision: str = "fp32",
         seed: int = 0,
         num_threads: int | None = None,
+        engine_dtype: str | None = None,
     ):
+        """``precision``: the policy's (resolved); ``engine_dtype``: what the refit sends (default: the
+        precision's compute dtype)."""
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         if not torch.cuda.is_available():
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.compute = prec.compute(precision, self.device, fsdp2=False)
+        self.refit_dtype = prec.dtype(engine_dtype or prec.COMPUTE[precision])
         self.model = (
-            AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).train()
+            AutoModelForCausalLM.from_pretrained(model_path, dtype=prec.dtype(prec.MASTER[precision]))
+            .to(self.device)
+            .train()
         )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
         self.cfg = cfg
@@ -111,12 +122,13 @@ class DrafterTrainer:
             self.opt.zero_grad(set_to_none=True)
             for s in range(0, n, self.cfg.micro_batch_size):
                 mb = {k: v[s : s + self.cfg.micro_batch_size].to(self.device) for k, v in batch.items()}
-                logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+                with self.compute(mb["input_ids"].shape[1]):
+                    logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
                 ce, kl = distill_loss(logits, mb)
                 share = mb["mask"].sum() / batch["mask"].sum().clamp(min=1)  # micro-batches add up to the batch mean
                 (ce * share).backward()
                 if step == 0:
-                    first["loss"] = first.get("loss", 0.0) + float(ce * share)
+                    first["loss"] = first.get("loss", 0.0) + float(ce.detach() * share)
                     first["kl"] = first.get("kl", 0.0) + float(kl * share)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.opt.step()
@@ -124,7 +136,11 @@ class DrafterTrainer:
         return {**first, "version": float(self.version), "time_s": time.time() - t0}
 
     def state_dict_for_refit(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
+        """CPU tensors in the engines' dtype (the master weights stay as they are)."""
+        return {
+            k: v.detach().to("cpu", self.refit_dtype if v.is_floating_point() else v.dtype)
+            for k, v in self.model.state_dict().items()
+        }
 
     def save_checkpoint(self, path: str) -> None:
         p = Path(path)
@@ -152,11 +168,21 @@ class DrafterTrainer:
 class RayDrafter:
     """A :class:`DrafterTrainer` in its own Ray actor; ``train`` returns at once, ``result`` waits."""
 
-    def __init__(self, model_path: str, cfg: DrafterTrainingConfig, dtype: str, seed: int, num_gpus: float = 0):
+    def __init__(
+        self,
+        model_path: str,
+        cfg: DrafterTrainingConfig,
+        precision: str,
+        seed: int,
+        num_gpus: float = 0,
+        engine_dtype: str | None = None,
+    ):
         import ray
 
         self.actor = (
-            ray.remote(DrafterTrainer).options(num_cpus=0, num_gpus=num_gpus).remote(model_path, cfg, dtype, seed)
+            ray.remote(DrafterTrainer)
+            .options(num_cpus=0, num_gpus=num_gpus)
+            .remote(model_path, cfg, precision, seed, engine_dtype=engine_dtype)
         )
         self._pending = None
 

@@ -57,9 +57,10 @@ class DrafterUpkeep:
             trainer = RayDrafter(
                 spec["model"],
                 cfg.policy.generation.drafter_training,
-                cfg.policy.dtype,
+                cfg.policy.precision,
                 cfg.seed,
                 num_gpus=0.5 if on_gpu else 0,
+                engine_dtype=cfg.policy.generation.vllm_kwargs["dtype"],
             )
         return cls(cfg, trainer)
 

@@ -60,7 +60,11 @@ class MetricsLogger:
             os.environ.setdefault("WANDB_SILENT", "true")
             self.run = wandb.init(
                 project=wandb_cfg.project,
+                entity=wandb_cfg.entity,
                 name=wandb_cfg.name,
+                group=wandb_cfg.group or wandb_cfg.name,
+                tags=list(wandb_cfg.tags) or None,
+                notes=wandb_cfg.notes,
                 mode=wandb_cfg.mode,
                 dir=str(self.log_dir),
                 config=config,

@@ -12,6 +12,13 @@ the step by that factor; here both reduce by plain sum: DDP through a
 sum-all-reduce communication hook, FSDP2 with a gradient divide factor of 1
 and sum-only collectives (gloo has no PREMUL_SUM, which FSDP2 would otherwise
 use for a custom factor).
+
+With ``policy.precision=bf16-mixed`` FSDP2 runs under
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+(:mod:`rl_specdec.policy.precision` says why not autocast): the sum-reduction
+above is then done in fp32 (FSDP2 applies the divide factor, 1, in the reduce
+dtype), and gloo takes both the bf16 all-gathers and the fp32 reductions. DDP
+needs nothing: under autocast the gradients are the fp32 parameters' own.
 """
 
 from __future__ import annotations
@@ -64,24 +71,28 @@ def _fsdp2_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def _fully_shard(model: nn.Module, device: torch.device) -> None:
+def _fully_shard(model: nn.Module, device: torch.device, mp_policy=None, frozen: bool = False) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp_policy = mp_policy or MixedPrecisionPolicy()  # the default: compute and reduce in the parameters' dtype
     for unit in _fsdp2_units(model):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # the root: embeddings, final norm, head (tied weights stay one parameter)
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy)
+    # The root: embeddings, final norm, head (tied weights stay one parameter). FSDP2 keeps a root
+    # gathered after forward, for the backward; a frozen model has none, so its root reshards at once.
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True if frozen else None)
 
 
-def wrap_for_training(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
-    """The module to run forward/backward through. With FSDP2 the model is sharded in place and returned."""
+def wrap_for_training(model: nn.Module, strategy: str, device: torch.device, mp_policy=None) -> nn.Module:
+    """The module to run forward/backward through. With FSDP2 the model is sharded in place (under
+    ``mp_policy``, a ``MixedPrecisionPolicy``, if given) and returned."""
     if not dist.is_initialized():
         return model
     if strategy == "fsdp2":
         from torch.distributed.fsdp import FSDPModule
 
-        _fully_shard(model, device)
+        _fully_shard(model, device, mp_policy)
         for m in model.modules():
             if isinstance(m, FSDPModule):  # per unit: the setters do not recurse
                 m.set_gradient_divide_factor(1.0)
@@ -99,7 +110,7 @@ def wrap_for_training(model: nn.Module, strategy: str, device: torch.device) -> 
 def shard_frozen(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
     """The frozen reference model: sharded like the policy under FSDP2, a local replica otherwise."""
     if dist.is_initialized() and strategy == "fsdp2":
-        _fully_shard(model, device)
+        _fully_shard(model, device, frozen=True)
     return model
 
 

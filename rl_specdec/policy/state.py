@@ -28,13 +28,17 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def full_state_items(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor | None]]:
+def full_state_items(
+    model: nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[list[str], torch.Tensor | None]]:
     """``(names, full CPU tensor)`` for each tensor of the model, in state-dict order.
 
     A tensor under several names (an LM head tied to the embedding) comes once,
     with all its names: the engines need every name (vLLM's weight reload does not
     re-tie a head it is not sent), the bytes travel once. Every rank must iterate to
     the end; ranks other than 0 get ``None``: they only take part in the gathers.
+    ``dtype``: floating-point tensors are cast to it (the engines' dtype) before
+    the gather and the copy to CPU, so fp32 master weights cross in bf16 to bf16 engines.
     """
     names: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -44,6 +48,8 @@ def full_state_items(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor
     rank = _rank()
     for key, t in tensors.items():
         t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)  # a no-op when it has it already (the live tensor, as before)
         if hasattr(t, "full_tensor"):  # an FSDP2 shard (DTensor): all-gather
             t = t.full_tensor()
         yield names[key], (t.to("cpu") if rank == 0 else None)

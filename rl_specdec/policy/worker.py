@@ -18,9 +18,10 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from rl_specdec.policy import state
+from rl_specdec.policy import precision, state
 from rl_specdec.policy.distributed import (
     free_port,
     grad_sync,
@@ -37,10 +38,16 @@ if TYPE_CHECKING:
 
 
 def token_logprobs_and_entropy(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool = False
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool = False, compute=precision.plain
 ):
-    """Log-prob of each next token [N, T-1] (and the policy's entropy there, no grad)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # [N, T-1, V]
+    """Log-prob of each next token [N, T-1] (and the policy's entropy there, no grad).
+
+    The forward runs under ``compute(T)`` (:func:`rl_specdec.policy.precision.compute`: bf16
+    autocast for bf16-mixed); the log-softmax is always float32, whatever dtype the logits come in.
+    """
+    with compute(input_ids.shape[1]):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    logits = logits[:, :-1].float()  # [N, T-1, V]
     logp_all = F.log_softmax(logits, dim=-1)  # [N, T-1, V]
     logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [N, T-1]
     if not with_entropy:
@@ -55,11 +62,11 @@ class PolicyWorker:
     because rank 0's address must be known before any worker joins the process group)."""
 
     def __init__(self, config: PolicyConfig, *, keep_reference: bool = False, seed: int = 0):
-        if config.dtype == "auto" or config.device == "auto":
+        if config.precision == "auto" or config.device == "auto":
             raise ValueError(
-                f"policy.dtype={config.dtype!r}, policy.device={config.device!r}: 'auto' is resolved once, when the "
-                "config "
-                "is loaded (rl_specdec.config.resolve_device_and_dtype); pass a loaded or resolved PolicyConfig"
+                f"policy.precision={config.precision!r}, policy.device={config.device!r}: 'auto' is resolved once, "
+                "when the config is loaded (rl_specdec.config.resolve_device_and_dtype); pass a loaded or resolved "
+                "PolicyConfig"
             )
         self.config = config
         self.keep_reference = keep_reference
@@ -103,14 +110,17 @@ class PolicyWorker:
         self.rank, self.world_size = rank, world_size
         if needs_process_group(world_size, cfg.strategy):
             init_process_group(rank, world_size, master_addr, master_port, self.device)
-        self.dtype = getattr(torch, cfg.dtype)
+        # the frozen reference needs no master copy: it is loaded in the compute dtype
+        master, frozen = precision.MASTER[cfg.precision], precision.COMPUTE[cfg.precision]
+        # AdamW's state takes the parameters' dtype
         adamw = functools.partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-        self._attach(self._load(), adamw, self._load if self.keep_reference else None)
+        self._attach(self._load(master), adamw, functools.partial(self._load, frozen) if self.keep_reference else None)
 
-    def _load(self) -> torch.nn.Module:
+    def _load(self, dtype: str) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(self.config.model_name, dtype=self.dtype).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(self.config.model_name, dtype=precision.dtype(dtype))
+        return model.to(self.device)
 
     @classmethod
     def from_module(
@@ -119,10 +129,11 @@ class PolicyWorker:
         """A started single-process worker around an in-memory ``model`` and its ``optimizer`` (tests).
 
         The same micro-batching, train step and loss contract as a loaded
-        worker; ``config`` gives ``micro_batch_size`` and ``max_grad_norm`` (its
-        model, dtype, device and optimizer settings are not used: the model
-        stays where it is). ``model(input_ids=..., attention_mask=...)`` must
-        return an object with ``.logits`` [N, T, V]. It joins no process
+        worker; ``config`` gives ``micro_batch_size``, ``max_grad_norm`` and the
+        precision's compute (bf16 autocast for bf16-mixed) and refit dtype (its
+        model, device and optimizer settings are not used: the model stays
+        where it is, in the dtype it has). ``model(input_ids=..., attention_mask=...)``
+        must return an object with ``.logits`` [N, T, V]. It joins no process
         group: in a process without torch.distributed the model is trained as
         it is (neither wrapped nor sharded). No reference model is kept.
         """
@@ -144,15 +155,22 @@ class PolicyWorker:
         at a time; the optimizer is built last, over the parameters as
         sharding left them.
         """
+        cfg = self.config
+        fsdp2 = cfg.strategy == "fsdp2" and dist.is_initialized()
+        # FSDP2 casts through its MixedPrecisionPolicy instead
+        self.compute = precision.compute(cfg.precision, self.device, fsdp2)
+        self.refit_dtype = precision.dtype(precision.engine_dtype(cfg))
         self.model = model
         self.model.train()
         # DDP wrapper, or the FSDP2-sharded model
-        self.train_model = wrap_for_training(self.model, self.config.strategy, self.device)
+        self.train_model = wrap_for_training(
+            self.model, cfg.strategy, self.device, precision.fsdp2_policy(cfg.precision)
+        )
         self.ref = None
         if load_reference is not None:
             ref = load_reference().eval()
             ref.requires_grad_(False)
-            self.ref = shard_frozen(ref, self.config.strategy, self.device)
+            self.ref = shard_frozen(ref, cfg.strategy, self.device)
         self.opt = make_optimizer(self.model.parameters())
 
     def _micro_batches(self, batch: dict[str, torch.Tensor], keep_order: bool = False):
@@ -184,7 +202,7 @@ class PolicyWorker:
         n, t = batch["input_ids"].shape
         out = torch.zeros(n, t - 1)  # [N, T-1]
         for idx, mb in self._micro_batches(batch, keep_order=True):
-            lp = token_logprobs_and_entropy(self.model, mb["input_ids"], mb["attention_mask"])[0]
+            lp = token_logprobs_and_entropy(self.model, mb["input_ids"], mb["attention_mask"], compute=self.compute)[0]
             out[idx, : lp.shape[1]] = (lp * mb["attention_mask"][:, 1:]).cpu()  # 0 where t+1 is padding
         self.model.train()
         return out
@@ -206,12 +224,14 @@ class PolicyWorker:
         for i, (_, mb) in enumerate(self._micro_batches(batch)):
             with grad_sync(self.train_model, enabled=i == last):
                 logp, entropy = token_logprobs_and_entropy(
-                    self.train_model, mb["input_ids"], mb["attention_mask"], with_entropy=True
+                    self.train_model, mb["input_ids"], mb["attention_mask"], with_entropy=True, compute=self.compute
                 )
                 ref_logp = None
                 if self.ref is not None:
                     with torch.no_grad():
-                        ref_logp, _ = token_logprobs_and_entropy(self.ref, mb["input_ids"], mb["attention_mask"])
+                        ref_logp, _ = token_logprobs_and_entropy(
+                            self.ref, mb["input_ids"], mb["attention_mask"], compute=self.compute
+                        )
                 loss, metrics = loss_fn(logp, mb, ref_logp)
                 loss.backward()
             sums["entropy"] += float((entropy * mb["loss_mask"]).sum())
@@ -231,16 +251,17 @@ class PolicyWorker:
         return out
 
     def state_dict_for_refit(self) -> dict[str, torch.Tensor] | None:
-        """The whole Hugging Face-named state dict, CPU tensors in the policy's dtype (rank 0; None elsewhere)."""
-        whole = state.as_dict(state.full_state_items(self.model))
+        """The whole Hugging Face-named state dict, CPU tensors in the engines' dtype (rank 0; None elsewhere)."""
+        whole = state.as_dict(state.full_state_items(self.model, self.refit_dtype))
         return whole if self.rank == 0 else None
 
     def state_dict_buckets(self, max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """The same tensors in dicts of at most ``max_bytes``, one at a time (rank 0 yields; the others only gather)."""
-        yield from state.bucketed(state.full_state_items(self.model), max_bytes)
+        yield from state.bucketed(state.full_state_items(self.model, self.refit_dtype), max_bytes)
 
     def save_checkpoint(self, path: str) -> None:
-        """Write model + optimizer into ``path`` (a fresh folder chosen by the caller), whatever the worker count."""
+        """Write model + optimizer into ``path`` (a fresh folder chosen by the caller), whatever the worker count.
+        The master weights and AdamW state as they are kept (float32 under fp32 and bf16-mixed)."""
         state.save(self.model, self.opt, path)
 
     def load_checkpoint(self, path: str) -> None:

@@ -33,6 +33,7 @@ class SamplingSettings:
     seed: int | None = None  # request i is sampled with seed + i: reproducible under any sharding
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = 0  # 0: the sampled token's log-prob only; K > 0: also the top K
+    ignore_eos: bool = False  # run to max_tokens past EOS: for benchmarks that need a fixed batch, never for RL
 
     @classmethod
     def from_config(cls, gen: "GenerationConfig", *, seed: int | None = None, **overrides: Any) -> "SamplingSettings":

@@ -113,7 +113,7 @@ class VllmWorkerBase:
 
     @staticmethod
     def _check_sampling(n: int):
-        return [SamplingSettings(max_tokens=CHECK_TOKENS, temperature=0.0)] * n
+        return [SamplingSettings(max_tokens=CHECK_TOKENS, temperature=0.0, ignore_eos=True)] * n
 
     # ---- requests and results --------------------------------------------------------
     @staticmethod
@@ -123,7 +123,7 @@ class VllmWorkerBase:
         """vLLM ``SamplingParams`` for request ``seed_index`` of a call (seeded ``seed + seed_index``)."""
         from vllm import SamplingParams
 
-        return SamplingParams(
+        kwargs: dict[str, Any] = dict(
             n=1,
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
@@ -132,10 +132,10 @@ class VllmWorkerBase:
             seed=None if sampling.seed is None else sampling.seed + seed_index,
             stop_token_ids=list(sampling.stop_token_ids),
             logprobs=sampling.logprobs,
+            ignore_eos=sampling.ignore_eos,
             detokenize=False,
-            **fixed,
-            **(extra or {}),
         )
+        return SamplingParams(**{**kwargs, **fixed, **(extra or {})})  # extra wins: per-request overrides
 
     @staticmethod
     def _sample(c, want_top: bool) -> dict[str, Any]:
@@ -227,7 +227,7 @@ class VllmWorker(VllmWorkerBase):
     def _answer(self, request: tuple) -> Any:
         if request[0] == "rpc":
             return self.engine_rpc(request[1], *request[2])[0]
-        params = [self._sampling_params(s, 0, {"ignore_eos": True}) for s in self._check_sampling(len(request[1]))]
+        params = [self._sampling_params(s, 0) for s in self._check_sampling(len(request[1]))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in request[1]], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 

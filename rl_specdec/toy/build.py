@@ -61,8 +61,12 @@ class PairBuildConfig:
     lr: float = 2e-3
 
     def key(self) -> str:
-        blob = json.dumps({"v": self.version, **asdict(self)}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+        return config_key({"v": self.version, **asdict(self)})
+
+
+def config_key(settings: dict) -> str:
+    """A build's cache key: a short hash of everything it depends on."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -235,9 +239,7 @@ def build_pair(root: Path, cfg: PairBuildConfig, tokenizer, batches, log=print, 
     finally:
         torch.set_num_threads(threads)
 
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}-"))
-    try:
+    def write(tmp: Path) -> None:
         for name, model in (("policy", policy), ("drafter", drafter)):
             model.save_pretrained(tmp / name, safe_serialization=True)
             tokenizer.save_pretrained(tmp / name)
@@ -245,6 +247,19 @@ def build_pair(root: Path, cfg: PairBuildConfig, tokenizer, batches, log=print, 
                 check(tmp / name)
         (tmp / "build.json").write_text(json.dumps(asdict(cfg), indent=2))
         (tmp / "DONE").write_text(f"{time.time() - t0:.1f}s\n")
+
+    write_atomically(root, write)
+    log(f"[toy] built in {time.time() - t0:.0f}s")
+
+
+def write_atomically(root: Path, write) -> None:
+    """``write(tmp)`` fills a temporary folder beside ``root`` (ending with its ``DONE`` file), which is then
+    renamed to ``root``: an interrupted build never leaves a half-written folder. If another process finished
+    first, its folder is kept."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}-"))
+    try:
+        write(tmp)
         try:
             os.rename(tmp, root)
         except OSError:  # another process finished first: keep theirs
@@ -252,7 +267,6 @@ def build_pair(root: Path, cfg: PairBuildConfig, tokenizer, batches, log=print, 
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"[toy] built in {time.time() - t0:.0f}s")
 
 
 def build_untrained_drafter(models: ToyModels, seed: int = 12345) -> Path:
@@ -265,18 +279,13 @@ def build_untrained_drafter(models: ToyModels, seed: int = 12345) -> Path:
         return out
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(AutoConfig.from_pretrained(models.drafter))
-    tmp = Path(tempfile.mkdtemp(dir=models.root, prefix=".drafter-untrained-"))
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         build_tokenizer().save_pretrained(tmp)
         (tmp / "DONE").write_text("random init\n")
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another process made it first
-            if not (out / "DONE").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    write_atomically(out, write)
     return out
 
 

@@ -114,7 +114,7 @@ class AsyncVllmWorker(VllmWorkerBase):
 
         ``sampling`` is one :class:`SamplingSettings` for all prompts or one per
         prompt; ``extra`` adds ``vllm.SamplingParams`` arguments (e.g.
-        ``{"ignore_eos": True}``), likewise shared or per prompt. ``sample``:
+        ``{"min_tokens": 4}``), likewise shared or per prompt. ``sample``:
         ``token_ids``, ``logprobs``, ``finish_reason``, ``top_logprobs`` and
         ``spec_counters``. Request i is seeded with ``seed + offset + i``, as in
         the synchronous worker. If the consumer stops early, the unfinished
@@ -177,7 +177,7 @@ class AsyncVllmWorker(VllmWorkerBase):
     async def _answer(self, request: tuple) -> Any:
         if request[0] == "rpc":
             return (await self.engine_rpc(request[1], *request[2]))[0]
-        return (await self.generate(request[1], self._check_sampling(1)[0], 0, {"ignore_eos": True}))["token_ids"]
+        return (await self.generate(request[1], self._check_sampling(1)[0], 0))["token_ids"]
 
     async def engine_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call a method of the engine's extension in the engine-core process (``collective_rpc``)."""

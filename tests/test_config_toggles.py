@@ -1,0 +1,137 @@
+"""The toggles a user reaches for: switching speculation in one line, task arguments, methods the backend cannot
+run, ``--print-config`` and ``--help``. Pure config logic: no engine starts."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl_specdec.config import ConfigError, load_config, load_config_as_written
+from rl_specdec.config.layers import SPEC_KEY, apply_overrides, read_yaml
+from rl_specdec.config.speculation import METHOD_DEFAULTS
+from rl_specdec.config.vllm_kwargs import check_backend_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "configs" / "grpo_spec.yaml"
+BASE = ROOT / "configs" / "grpo_base.yaml"
+S = SPEC_KEY
+# One line to each method from grpo_spec.yaml (draft_model, toy:drafter); a drafter method names its model.
+SWITCHES = {
+    "ngram": {"method": "ngram"},
+    "suffix": {"method": "suffix"},
+    "mtp": {"method": "mtp"},
+    "eagle3": {"method": "eagle3", "model": "Tengyunw/qwen3_8b_eagle3"},
+    "draft_model": {"method": "draft_model", "model": "Qwen/Qwen3-0.6B"},
+}
+ON_GPU = ["policy.device=cuda", "cluster.address=auto"]  # as on a GPU cluster: the CPU backend check steps aside
+
+
+def _spec(raw):
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.select(raw, S)
+    return None if node is None else OmegaConf.to_container(node)
+
+
+def _child(tmp_path, spec_yaml: str) -> Path:
+    f = tmp_path / "child.yaml"
+    f.write_text(
+        f"defaults: [{SPEC}]\npolicy:\n  generation:\n    vllm_kwargs:\n      speculative_config: {spec_yaml}\n"
+    )
+    return f
+
+
+@pytest.mark.parametrize("method", sorted(SWITCHES))
+def test_command_line_method_switch_starts_from_its_defaults(method):
+    edits = SWITCHES[method]
+    spec = _spec(apply_overrides(read_yaml(SPEC), [f"{S}.{k}={v}" for k, v in edits.items()]))
+    if method == "draft_model":  # the same method: an edit in place, the other keys stay
+        assert spec == {"method": "draft_model", "model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 3,
+                        "draft_sample_method": "probabilistic"}  # fmt: skip
+    else:
+        assert spec == {"method": method, **METHOD_DEFAULTS[method], **edits}  # toy:drafter is not inherited
+
+
+@pytest.mark.parametrize("method", sorted(SWITCHES))
+def test_yaml_child_and_command_line_dict_replace_the_inherited_config(tmp_path, method):
+    written = {**SWITCHES[method], "num_speculative_tokens": 2}
+    flow = "{" + ", ".join(f"{k}: {v}" for k, v in written.items()) + "}"
+    assert _spec(read_yaml(_child(tmp_path, flow))) == written
+    assert _spec(apply_overrides(read_yaml(SPEC), [f"{S}={flow}"])) == written
+
+
+def test_single_key_edit_keeps_the_rest_and_null_turns_speculation_off():
+    spec = _spec(apply_overrides(read_yaml(SPEC), [f"{S}.num_speculative_tokens=5"]))
+    assert spec == {"method": "draft_model", "model": "toy:drafter", "num_speculative_tokens": 5,
+                    "draft_sample_method": "probabilistic"}  # fmt: skip
+    assert _spec(apply_overrides(read_yaml(SPEC), [f"{S}=null"])) is None
+    back = _spec(apply_overrides(read_yaml(BASE), [f"{S}.method=draft_model", f"{S}.model=toy:drafter"]))
+    assert back == {"method": "draft_model", "model": "toy:drafter", **METHOD_DEFAULTS["draft_model"]}
+
+
+@pytest.mark.parametrize("method", sorted(SWITCHES))
+def test_every_switch_passes_every_check_on_gpu(method):
+    edits = [f"{S}.{k}={v}" for k, v in SWITCHES[method].items()]
+    if method == "suffix":
+        pytest.importorskip("arctic_inference")
+    cfg = load_config_as_written(SPEC, ON_GPU + edits)
+    assert cfg.policy.generation.vllm_kwargs["speculative_config"]["method"] == method
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_methods_the_cpu_backend_cannot_run_are_refused_at_load(method):
+    edits = [f"{S}.{k}={v}" for k, v in SWITCHES[method].items()]
+    with pytest.raises(ConfigError, match=rf"method='{method}' does not run on vLLM's CPU backend.*method=ngram"):
+        load_config_as_written(SPEC, ["policy.device=cpu"] + edits)
+
+
+def test_backend_check_names_the_key_the_reason_and_the_fix():
+    check_backend_runs({"method": "eagle3"}, on_cpu=False)
+    for method in ("draft_model", "ngram"):
+        check_backend_runs({"method": method}, on_cpu=True)
+    with pytest.raises(ConfigError, match=r"speculative_config.method='mtp' does not run on vLLM's CPU"):
+        check_backend_runs({"method": "mtp"}, on_cpu=True)
+    check_backend_runs({"method": "suffix"}, on_cpu=True, has_arctic_inference=True)
+    with pytest.raises(ConfigError, match=r"method='suffix' needs the arctic-inference.*install_arctic_inference"):
+        check_backend_runs({"method": "suffix"}, on_cpu=False, has_arctic_inference=False)
+
+
+def test_task_arguments_are_checked_against_the_task_signature():
+    load_config(SPEC, ["task.kwargs.max_len=9"], resolve_models=False)
+    with pytest.raises(ConfigError) as e:
+        load_config(SPEC, ["task.kwargs.max_lenn=8"], resolve_models=False)
+    msg = str(e.value)
+    assert "task.kwargs.max_lenn is not an argument of task 'sorting'" in msg
+    assert "Did you mean task.kwargs.max_len?" in msg and "min_len, max_len, dataset_size" in msg
+
+
+def _run_grpo(*args, env=None):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples/run_grpo.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_print_config_shows_the_config_as_written_and_builds_nothing(tmp_path):
+    cache = tmp_path / "cache"
+    r = _run_grpo("--config", str(SPEC), "--print-config", f"{S}.method=ngram", env={"RL_SPECDEC_CACHE": str(cache)})
+    assert r.returncode == 0, r.stderr
+    assert "model_name: toy:policy" in r.stdout and "method: ngram" in r.stdout and "precision: auto" in r.stdout
+    assert "toy:drafter" not in r.stdout
+    assert not cache.exists()  # no toy model was built
+    r = _run_grpo("--config", str(SPEC), "--print-config", "task.kwargs.max_lenn=8")
+    assert r.returncode == 2 and "task.kwargs.max_lenn" in r.stderr
+
+
+def test_help_lists_every_shipped_config_with_one_line():
+    r = _run_grpo("--help")
+    assert r.returncode == 0
+    for path in (ROOT / "configs").glob("*.yaml"):
+        line = next(x for x in r.stdout.splitlines() if x.strip().startswith(path.name))
+        assert len(line.split(path.name, 1)[1].strip()) > 10
+    assert "--resolved" in r.stdout and "wandb sync" in r.stdout and "docs/grpo.md" in r.stdout
