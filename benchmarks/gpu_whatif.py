@@ -2,7 +2,7 @@
 calibrated on this CPU, driving a simulated GRPO generation phase under every policy, the package's own
 adaptive controller among them. Everything it prints is a prediction.
 
-    python benchmarks/gpu_whatif.py                      # the GPU tables and the plot (< 2 minutes, 2 cores)
+    python benchmarks/gpu_whatif.py                      # calibration, the GPU tables and the plot (< 2 min)
     python benchmarks/gpu_whatif.py --calibrate results/cost_table/*.json [--model-config wide/config.json]
     python benchmarks/gpu_whatif.py --calibrate results/cost_table/*.json \\
         --grpo-metrics logs/grpo_spec/metrics.jsonl --pair toy --policy fixed:3 --k 3
@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from whatif import calibrate as CAL  # noqa: E402
 from whatif import hardware as H  # noqa: E402
+from whatif import measured  # noqa: E402
 from whatif import report as R  # noqa: E402
 from whatif import workload as W  # noqa: E402
 from whatif.adapter import controller_api  # noqa: E402
@@ -50,6 +51,7 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default="results/gpu_whatif")
     g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--no-calibration", action="store_true", help="skip the calibration on docs/data's measured tables")
     c = p.add_argument_group("calibration on this CPU")
     c.add_argument("--calibrate", nargs="+", metavar="JSON", help="measured t(b,k) tables (benchmarks/cost_table.py)")
     c.add_argument("--model-config", help="config.json of a table's policy whose shapes are not known (the wide pair)")
@@ -197,6 +199,8 @@ def main(argv=None) -> None:
         cpu_report(args)
         if not args.also_gpu:
             return
+    if not args.no_calibration and measured.available():
+        print(measured.calibration_report(log=lambda s: print(s, file=sys.stderr)) + "\n")
     gpu_report(args)
 
 

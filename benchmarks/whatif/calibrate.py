@@ -29,10 +29,10 @@ from .costmodel import Pricer, Rows, _fwd, steady_row
 from .hardware import cpu_device
 from .workload import TOY_PAIRS, Pair, alpha_for_length
 
-NAMES = ("bandwidth", "flops", "t_step", "t_spec", "t_pass", "t_req")
-UNITS = ("GB/s", "GFLOP/s", "ms", "ms", "ms", "us")
-SCALE = (1e9, 1e9, 1e-3, 1e-3, 1e-3, 1e-6)
-INITIAL = np.log([20e9, 30e9, 3e-3, 1e-3, 1e-3, 20e-6])
+NAMES = ("bandwidth", "flops", "t_step", "t_spec", "t_pass", "t_req", "t_req_draft")
+UNITS = ("GB/s", "GFLOP/s", "ms", "ms", "ms", "us", "us")
+SCALE = (1e9, 1e9, 1e-3, 1e-3, 1e-3, 1e-6, 1e-6)
+INITIAL = np.log([20e9, 30e9, 3e-3, 1e-3, 1e-3, 20e-6, 20e-6])
 TOLERANCE = 0.15
 DTYPE_BYTES = {"float32": 4.0, "float": 4.0, "bfloat16": 2.0, "float16": 2.0, "half": 2.0}
 # Outside the engine steps a generate call spends ~0.07 s adding 512 requests and ~0.01 s at its end
@@ -130,7 +130,7 @@ def fit(tables: list[dict], model_config=None, drafter_config=None, log=print):
     prepared = [(t, p, cell_rows(t, p)) for t in tables for p in [table_pair(t, model_config, drafter_config, log)]]
     meas = np.array([float(c["step_s"]) for t in tables for c in t["cells"]])
     fun = lambda th: predict_cells(th, prepared) / meas - 1.0  # noqa: E731
-    starts = [INITIAL + np.log(d) for d in ([1] * 6, [0.1, 0.3, 1, 1, 1, 0.1], [10, 3, 0.3, 1, 1, 10])]
+    starts = [INITIAL + np.log(d) for d in ([1] * 7, [0.1, 0.3, 1, 1, 1, 0.1, 0.1], [10, 3, 0.3, 1, 1, 10, 10])]
     best = min((_lm(fun, s) for s in starts), key=lambda th: float(np.sum(fun(th) ** 2)))
     return best, prepared, meas, predict_cells(best, prepared)
 
@@ -155,21 +155,11 @@ def report(theta, prepared, meas, pred) -> str:
             + ("  (NOT DETERMINED)" if rise < 0.05 else "")
         )
     res = pred / meas - 1
-    rows, i = [], 0
-    for t, pair, _ in prepared:
-        for c in t["cells"]:
-            miss = "MISS" if abs(res[i]) > TOLERANCE else ""
-            rows.append(
-                f"| {t['pair']} | {c['b']} | {c['k']} | {c.get('context_mean', 0):.0f} | {meas[i] * 1e3:.2f} | "
-                f"{pred[i] * 1e3:.2f} | {res[i] * 100:+.1f}% | {miss} |"
-            )
-            i += 1
-    lines += [
-        "",
-        "| pair | b | k | context | measured ms | predicted ms | residual | |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    lines += rows
+    i = 0
+    for t, _, _ in prepared:
+        n = len(t["cells"])
+        lines += ["", residual_matrix(t, meas[i : i + n], pred[i : i + n])]
+        i += n
     ok = int(np.sum(np.abs(res) <= TOLERANCE))
     lines.append(
         f"\n{ok} of {len(res)} cells within {TOLERANCE:.0%}; RMS relative error {np.sqrt(np.mean(res**2)):.1%}, "
@@ -177,6 +167,17 @@ def report(theta, prepared, meas, pred) -> str:
     )
     lines += direct_checks(theta, prepared)
     return "\n".join(lines)
+
+
+def residual_matrix(tbl: dict, meas: np.ndarray, pred: np.ndarray) -> str:
+    """One table's cells as b x k: predicted / measured - 1 (a miss beyond TOLERANCE marked MISS)."""
+    ks = list(dict.fromkeys(str(c["k"]) for c in tbl["cells"]))
+    bs = list(dict.fromkeys(int(c["b"]) for c in tbl["cells"]))
+    cell = {(int(c["b"]), str(c["k"])): p / m - 1 for c, m, p in zip(tbl["cells"], meas, pred)}
+    fmt = lambda r: "" if r is None else f"{r * 100:+.1f}%" + (" MISS" if abs(r) > TOLERANCE else "")  # noqa: E731
+    head = f"Residuals of {tbl['pair']} ({tbl.get('_path', '')}), predicted / measured - 1, by b and k:\n\n"
+    rows = [f"| {b} | " + " | ".join(fmt(cell.get((b, k))) for k in ks) + " |" for b in bs]
+    return head + "\n".join([f"| b | {' | '.join(ks)} |", "|---" * (len(ks) + 1) + "|"] + rows)
 
 
 def direct_checks(theta, prepared) -> list[str]:
@@ -187,7 +188,7 @@ def direct_checks(theta, prepared) -> list[str]:
         pr = Pricer(dev, pair)
         ctx = float(np.mean([c.get("context_mean", 0) for c in t["cells"] if c["b"] == 1] or [0]))
         if t.get("drafter_pass_s"):
-            p = dev.t_pass + dev.t_req + _fwd(pr.D, 1.0, ctx, ctx, 1.0, max)
+            p = dev.t_pass + dev.t_req_draft + _fwd(pr.D, 1.0, ctx, ctx, 1.0, max)
             out.append(
                 f"  {t['pair']}: drafter pass measured {t['drafter_pass_s'] * 1e3:.2f} ms, model {p * 1e3:.2f} ms"
             )

@@ -18,11 +18,11 @@ FLOP/s times their achieved fractions (and times tp). One engine step with b
 requests that verify k_v drafts each and draft k_n for the next step::
 
     t = t_step + t_req b + t_fwd(target, n = b (k_v + 1))
-        + [speculative] (t_spec + sum over the drafter's passes (t_pass + t_req b_pass + t_fwd(drafter, pass)))
+        + [speculative] (t_spec + sum over the drafter's passes (t_pass + t_req_d b_pass + t_fwd(drafter, pass)))
         + [catch-up] (t_pass + t_fwd(drafter, the tokens it missed))
 
-(t_req: host work per request and pass, sampling included: small on a GPU,
-large on this CPU.)
+(t_req, t_req_d: host work per request in a target step and in a drafter pass,
+sampling included: small on a GPU, large on this CPU.)
 
 The drafter's first pass runs over the verified tokens (b (k_v + 1)), each
 later one over one token per request that still drafts: k_n passes in all,
@@ -127,7 +127,7 @@ class Pricer:
         for j in range(r.dtok.shape[1]):
             tok, seq = r.dtok[:, j], r.dseq[:, j]
             t = t + np.where(
-                tok > 0, dev.t_pass + dev.t_req * seq + _fwd(D, tok, seq * per_seq, tok * per_seq, seq), 0.0
+                tok > 0, dev.t_pass + dev.t_req_draft * seq + _fwd(D, tok, seq * per_seq, tok * per_seq, seq), 0.0
             )
         t = t + np.where(r.cu > 0, dev.t_pass + _fwd(D, r.cu, r.ctx, r.cu * per_seq / 2, 0.0), 0.0)
         return t * r.m
@@ -139,7 +139,7 @@ class Pricer:
         t = dev.t_step + dev.t_req * b + _fwd(T, vt, ctx, qc, vl, max) + spec * dev.t_spec
         for tok, seq in zip(dtok, dseq):
             if tok > 0:
-                t += dev.t_pass + dev.t_req * seq + _fwd(D, tok, seq * per_seq, tok * per_seq, seq, max)
+                t += dev.t_pass + dev.t_req_draft * seq + _fwd(D, tok, seq * per_seq, tok * per_seq, seq, max)
         if cu > 0:
             t += dev.t_pass + _fwd(D, cu, ctx, cu * per_seq / 2, 0.0, max)
         return t

@@ -37,7 +37,7 @@ def phase_time(pair: Pair, wl: Workload, policy, dev, rng) -> float:
     return t + CALL_OVERHEAD_S + CALL_OVERHEAD_PER_REQUEST_S * len(wl.lengths)
 
 
-def predict_grpo(
+def grpo_errors(
     rows: list[dict],
     theta,
     pair: Pair,
@@ -48,11 +48,11 @@ def predict_grpo(
     dtype: str = "float32",
     seed: int = 0,
     max_seqs: int | None = 256,
-) -> str:
-    """A table of measured against predicted generation time per training row, and a summary. The lengths
-    are rebuilt from the row's mean, median, max and total; the acceptance from its acceptance length at
-    ``k`` (flat alpha); at most ``max_seqs`` run at once (vLLM 0.32's CPU default for ``LLM``: 256); one
-    controller, if any, is carried over the rows as in the run."""
+) -> tuple[list[list], np.ndarray, str]:
+    """(one table row per training row, the relative errors, the policy's name): measured against predicted
+    generation time. The lengths are rebuilt from the row's mean, median, max and total; the acceptance from
+    its acceptance length at ``k`` (flat alpha); at most ``max_seqs`` run at once (vLLM 0.32's CPU default for
+    ``LLM``: 256); one controller, if any, is carried over the rows as in the run."""
     dev = device_of(theta, dtype)
     policy = parse_policy(policy_spec)
     out, errs = [], []
@@ -63,21 +63,18 @@ def predict_grpo(
         meas = float(row["timing/generation"])
         errs.append(t / meas - 1)
         miss = "MISS" if abs(errs[-1]) > TOLERANCE else ""
-        out.append(
-            [
-                row.get("step", i + 1),
-                len(wl.lengths),
-                wl.tokens,
-                f"{meas:.3f}",
-                f"{t:.3f}",
-                f"{errs[-1] * 100:+.1f}%",
-                miss,
-            ]
-        )
-    e = np.array(errs)
+        out.append([row.get("step", i + 1), len(wl.lengths), wl.tokens, f"{meas:.3f}", f"{t:.3f}"])
+        out[-1] += [f"{errs[-1] * 100:+.1f}%", miss]
+    return out, np.array(errs), policy.name
+
+
+def predict_grpo(rows: list[dict], theta, pair: Pair, policy_spec: str, k: int, *args, **kw) -> str:
+    """A table of measured against predicted generation time per training row, and a summary
+    (:func:`grpo_errors`)."""
+    out, e, name = grpo_errors(rows, theta, pair, policy_spec, k, *args, **kw)
     body = table(["step", "rollouts/engine", "tokens/engine", "measured s", "predicted s", "error", ""], out)
     summary = (
         f"\n{int(np.sum(np.abs(e) <= TOLERANCE))} of {len(e)} steps within {TOLERANCE:.0%}; median error "
-        f"{np.median(e) * 100:+.1f}%, median |error| {np.median(np.abs(e)) * 100:.1f}% ({policy.name}, {pair.key})"
+        f"{np.median(e) * 100:+.1f}%, median |error| {np.median(np.abs(e)) * 100:.1f}% ({name}, {pair.key})"
     )
     return body + summary

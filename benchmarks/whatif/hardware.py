@@ -26,7 +26,8 @@ class Device:
     t_step: float = 0.5e-3  # per engine step: scheduler, input preparation, sampler (s)
     t_spec: float = 0.3e-3  # per speculative step: rejection sampler, draft hand-off, metadata (s)
     t_pass: float = 0.05e-3  # per drafter pass: its own launch and sampling (s)
-    t_req: float = 1e-6  # per request in a target step or a drafter pass: host-side input and output work (s)
+    t_req: float = 1e-6  # per request in a target step: host-side input and output work, sampling (s)
+    t_req_draft: float = 1e-6  # per request in a drafter pass: the same for the drafter (s)
     t_layer: float = 6e-6  # per decoder layer and forward pass: the kernel chain's latency floor (s)
     t_allreduce: float = 8e-6  # per all-reduce latency at tensor parallel > 1 (s)
     mfu: float = 0.40  # training: achieved fraction of dense FLOP/s
@@ -46,7 +47,8 @@ ASSUMED = {
     "t_step": "assumption: vLLM V1's per-step host work with CUDA graphs, about 0.5 ms",
     "t_spec": "assumption: rejection sampler and draft bookkeeping, about 0.3 ms per speculative step",
     "t_pass": "assumption: a drafter pass's own launch and sampling under CUDA graphs, about 50 us",
-    "t_req": "assumption: 1 us per request and pass left on the critical path (vLLM V1 overlaps most host work)",
+    "t_req": "assumption: 1 us per request and step left on the critical path (vLLM V1 overlaps most host work)",
+    "t_req_draft": "assumption: as t_req, per request and drafter pass",
     "t_layer": "assumption: about 6 us per decoder layer per pass (a chain of ~5 kernels), a latency floor",
     "t_allreduce": "assumption: 8 us per all-reduce over NVLink (20 us over PCIe)",
     "mfu": "assumption: 40% MFU for the train phase (FSDP/Megatron bf16 at 8B-32B)",
@@ -123,6 +125,7 @@ def cpu_device(
     t_spec: float,
     t_pass: float,
     t_req: float,
+    t_req_draft: float,
     bytes_per_param: float = 4.0,
     source: str = "fitted",
 ) -> Device:
@@ -140,6 +143,7 @@ def cpu_device(
         t_spec=t_spec,
         t_pass=t_pass,
         t_req=t_req,
+        t_req_draft=t_req_draft,
         t_layer=0.0,
         t_allreduce=0.0,
         mfu=1.0,

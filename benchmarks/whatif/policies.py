@@ -137,7 +137,7 @@ class AdaptiveVerification(Policy):
         per = ctx / b
         n = b + np.arange(len(scores) + 1.0)
         verify = dev.t_step + dev.t_spec + dev.t_req * b + _fwd(pricer.T, n, ctx, n * per, n)
-        draft = K * (dev.t_pass + dev.t_req * b + _fwd(pricer.D, b, ctx, b * per, b, max))
+        draft = K * (dev.t_pass + dev.t_req_draft * b + _fwd(pricer.D, b, ctx, b * per, b, max))
         gain = b + np.concatenate(([0.0], np.cumsum(scores)))
         budget = int(np.argmax(gain / (draft + verify)))
         a = np.zeros(b, np.int64) if budget == 0 else np.minimum((surv >= scores[budget - 1]).sum(1), kv)
