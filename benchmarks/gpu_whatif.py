@@ -1,14 +1,15 @@
 """What speculation buys on a GPU, predicted (issue 25): a roofline step-cost model per device and model pair,
 calibrated on this CPU, driving a simulated GRPO generation phase under every policy, the package's own
-adaptive controller among them. Everything it prints is a prediction.
+adaptive controller among them. Everything it prints about a GPU is a prediction.
 
     python benchmarks/gpu_whatif.py                      # calibration, the GPU tables and the plot (< 2 min)
-    python benchmarks/gpu_whatif.py --calibrate results/cost_table/*.json [--model-config wide/config.json]
-    python benchmarks/gpu_whatif.py --calibrate results/cost_table/*.json \\
-        --grpo-metrics logs/grpo_spec/metrics.jsonl --pair toy --policy fixed:3 --k 3
+    python benchmarks/gpu_whatif.py --calibrate benchmarks/results/cost_table_*.json   # other measured tables
+    python benchmarks/gpu_whatif.py --calibrate docs/data/cost_table_wide.json \\
+        --grpo-metrics logs/grpo_spec_wide/metrics.jsonl --pair wide --policy controller:5 --k 5 --grpo-prompt-len 5
 
 The model, its constants and their sources: benchmarks/whatif/ (costmodel.py, hardware.py, models.py,
-workload.py); the policies: whatif/policies.py; docs/gpu_whatif_draft.md.
+workload.py); the policies: whatif/policies.py; the results and the calibration: docs/performance.md,
+section 12.
 """
 
 from __future__ import annotations
