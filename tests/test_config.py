@@ -81,10 +81,16 @@ def test_cluster_check_counts_policy_and_engines():
 
 def test_device_precision_and_engine_dtype_are_resolved_once_at_load():
     from rl_specdec.config import PolicyConfig, resolve_device_and_dtype
+    from rl_specdec.config.precision import COMPUTE, cpu_has_native_bf16
 
     cfg = load_config(SPEC, resolve_models=False)
     p = cfg.policy
-    assert (p.device, p.precision, p.generation.vllm_kwargs["dtype"]) == ("cpu", "fp32", "float32")  # no CUDA here
+    native = "bf16-mixed" if cpu_has_native_bf16() else "fp32"
+    assert (p.device, p.precision, p.generation.vllm_kwargs["dtype"]) == ("cpu", native, COMPUTE[native])  # no CUDA
+    for has_bf16, want in ((True, ("bf16-mixed", "bfloat16")), (False, ("fp32", "float32"))):
+        cpu = PolicyConfig()
+        resolve_device_and_dtype(cpu, cuda_available=False, cpu_bf16=has_bf16)
+        assert (cpu.device, cpu.precision, cpu.generation.vllm_kwargs["dtype"]) == ("cpu", *want)
     gpu = PolicyConfig()
     resolve_device_and_dtype(gpu, cuda_available=True)
     assert (gpu.device, gpu.precision, gpu.generation.vllm_kwargs["dtype"]) == ("cuda", "bf16-mixed", "bfloat16")
