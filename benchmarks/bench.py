@@ -689,9 +689,17 @@ def main(argv=None) -> int:
     )
     p.add_argument("--cold-steps", type=int, default=50, help="length of the cold-start drafter run (--quick: --steps)")
     p.add_argument("--peer-steps", type=int, default=None, help="TRL steps (default: --steps; --quick 4)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every GRPO run, before each variant's own (repeatable), e.g. policy.precision=fp32",
+    )
     rollout_parser = argparse.ArgumentParser(add_help=False)
     rollout.add_args(rollout_parser)
     args = p.parse_args(argv)
+    COMMON.extend(args.set)
     sections = [s for s in (args.sections or ",".join(QUICK_SECTIONS if args.quick else SECTIONS)).split(",") if s]
     for s in sections:
         if s not in SECTIONS:
