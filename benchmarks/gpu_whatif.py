@@ -9,7 +9,7 @@ adaptive controller among them. Everything it prints about a GPU is a prediction
 
 The model, its constants and their sources: benchmarks/whatif/ (costmodel.py, hardware.py, models.py,
 workload.py); the policies: whatif/policies.py; the results and the calibration: docs/performance.md,
-section 12.
+section 13.
 """
 
 from __future__ import annotations
