@@ -337,8 +337,8 @@ def baseline_of(name: str) -> str:
     """The variant a variant is compared with: same task, same engine layout, no speculation."""
     if family(name):
         return f"{family(name)} base"
-    if name in PRECISION_VARIANTS:
-        return "grpo_base bf16-mixed"
+    if name in PRECISION_VARIANTS:  # the same precision without speculation
+        return "grpo_base " + name.split(" ", 1)[1]
     return "grpo_base 2x1" if "2x1" in name else "grpo_base"
 
 
@@ -689,9 +689,17 @@ def main(argv=None) -> int:
     )
     p.add_argument("--cold-steps", type=int, default=50, help="length of the cold-start drafter run (--quick: --steps)")
     p.add_argument("--peer-steps", type=int, default=None, help="TRL steps (default: --steps; --quick 4)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every GRPO run, before each variant's own (repeatable), e.g. policy.precision=fp32",
+    )
     rollout_parser = argparse.ArgumentParser(add_help=False)
     rollout.add_args(rollout_parser)
     args = p.parse_args(argv)
+    COMMON.extend(args.set)
     sections = [s for s in (args.sections or ",".join(QUICK_SECTIONS if args.quick else SECTIONS)).split(",") if s]
     for s in sections:
         if s not in SECTIONS:

@@ -194,6 +194,8 @@ def main(argv=None) -> None:
     p.add_argument("--accept-prompts", type=int, default=64)
     p.add_argument("--out", default=None, help="default: benchmarks/results/cost_table_<pair>.json")
     args = p.parse_args(argv)
+    if "1" not in args.batches.split(","):
+        p.error(f"--batches {args.batches}: include 1 (the cost ratio and the drafter's marginal pass are at b=1)")
     run(args)
 
 

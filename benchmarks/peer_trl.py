@@ -16,7 +16,8 @@ Time per step comes from a trainer callback (``on_step_begin`` to
 ``on_step_end``); rollout time from a timer around TRL's generation method, and
 rollout tokens from its ``completions/mean_length`` log.
 
-    python benchmarks/peer_trl.py --steps 5               # standalone
+    python benchmarks/peer_trl.py --steps 5               # standalone, the default precision
+    python benchmarks/peer_trl.py --steps 5 policy.precision=fp32
     (benchmarks/bench.py calls ``run_trl`` for its peer table)
 """
 
@@ -31,8 +32,8 @@ import time
 from pathlib import Path
 
 
-def run_trl(config_path: str, steps: int, out_dir: Path, log=print) -> dict:
-    """Train ``steps`` GRPO steps with TRL; returns per-step times and a summary."""
+def run_trl(config_path: str, steps: int, out_dir: Path, log=print, overrides: list[str] | None = None) -> dict:
+    """Train ``steps`` GRPO steps with TRL on the config with ``overrides``; returns per-step times and a summary."""
     os.environ.setdefault("WANDB_MODE", "disabled")
     import torch
     from datasets import Dataset
@@ -42,7 +43,7 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print) -> dict:
     from rl_specdec.config import load_config
     from rl_specdec.tasks import make_task
 
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, overrides or [])
     g, gen = cfg.grpo, cfg.policy.generation
     model_path = cfg.policy.model_name  # resolved to the toy checkpoint's folder by load_config
     task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
@@ -75,7 +76,7 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print) -> dict:
         num_iterations=1,
         scale_rewards="group" if g.normalize_std else "none",
         use_cpu=not torch.cuda.is_available(),
-        bf16=False,
+        bf16=cfg.policy.precision == "bf16-mixed",  # HF Trainer's bf16: autocast over fp32 weights, as bf16-mixed
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -119,7 +120,7 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print) -> dict:
     )
     log(
         f"  TRL GRPOTrainer: {steps} steps, batch {B} ({g.num_prompts_per_step} prompts x "
-        f"{g.num_generations_per_prompt}), transformers generate"
+        f"{g.num_generations_per_prompt}), transformers generate, {cfg.policy.precision}"
     )
     t0 = time.perf_counter()
     trainer.train()
@@ -163,10 +164,11 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="configs/grpo_base.yaml")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default="results/bench")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. policy.precision=fp32")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = run_trl(a.config, a.steps, out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    res = run_trl(a.config, a.steps, out, log=lambda m: print(m, file=sys.stderr, flush=True), overrides=a.overrides)
     print(json.dumps(res["summary"], indent=1))
     (out / "peer_trl.json").write_text(json.dumps(res, indent=1))
     return 0

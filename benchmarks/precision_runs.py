@@ -1,14 +1,14 @@
 """fp32 against bf16-mixed in the default run: the ``grpo`` section's precision variants and their table.
 
-Each ``bf16-mixed`` variant is its fp32 counterpart with ``policy.precision=bf16-mixed``; the engines
-follow the precision (bfloat16), so the trainer's master weights and AdamW state stay fp32 while both
-the train step and the rollouts compute in bf16. ``bench.py`` runs them seed-major beside the fp32
-variants (each seed runs every variant before the next seed starts)::
+Each variant pins ``policy.precision`` (the default, ``auto``, is bf16-mixed on a CPU with native bf16
+and fp32 on one without); the engines follow the precision (bfloat16 under bf16-mixed), so the trainer's
+master weights and AdamW state stay fp32 while both the train step and the rollouts compute in bf16.
+``bench.py`` runs them seed-major (each seed runs every variant before the next seed starts)::
 
     python benchmarks/bench.py --sections grpo --steps 80 --seeds 0,1 \\
-        --variants "grpo_spec;grpo_spec bf16-mixed"
+        --variants "grpo_spec fp32;grpo_spec bf16-mixed"
     python benchmarks/bench.py --sections grpo --steps 10 --seeds 0,1 --out results/precision_base \\
-        --variants "grpo_base;grpo_base bf16-mixed"
+        --variants "grpo_base fp32;grpo_base bf16-mixed"
 
 The table (:func:`precision_table`) gives, per variant, the phases and the step, the log-prob
 mismatch between trainer and engines (``train/logprob_mismatch``: the mean over steps of each
@@ -24,12 +24,12 @@ from pathlib import Path
 
 from rollout import fmt
 
-MIXED = "policy.precision=bf16-mixed"
 VARIANTS: dict[str, tuple[str, list[str]]] = {
-    "grpo_base bf16-mixed": ("configs/grpo_base.yaml", [MIXED]),
-    "grpo_spec bf16-mixed": ("configs/grpo_spec.yaml", [MIXED]),
+    f"{run} {precision}": (f"configs/{run}.yaml", [f"policy.precision={precision}"])
+    for run in ("grpo_base", "grpo_spec")
+    for precision in ("fp32", "bf16-mixed")
 }
-FP32_OF = {"grpo_base bf16-mixed": "grpo_base", "grpo_spec bf16-mixed": "grpo_spec"}
+FP32_OF = {f"{run} bf16-mixed": f"{run} fp32" for run in ("grpo_base", "grpo_spec")}
 
 
 def run_stats(log_dir: Path) -> dict:

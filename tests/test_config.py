@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from rl_specdec.config import ConfigError, load_config
+from rl_specdec.config.precision import COMPUTE
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "configs" / "grpo_spec.yaml"
@@ -81,10 +82,16 @@ def test_cluster_check_counts_policy_and_engines():
 
 def test_device_precision_and_engine_dtype_are_resolved_once_at_load():
     from rl_specdec.config import PolicyConfig, resolve_device_and_dtype
+    from rl_specdec.config.precision import cpu_has_native_bf16
 
     cfg = load_config(SPEC, resolve_models=False)
     p = cfg.policy
-    assert (p.device, p.precision, p.generation.vllm_kwargs["dtype"]) == ("cpu", "fp32", "float32")  # no CUDA here
+    native = "bf16-mixed" if cpu_has_native_bf16() else "fp32"
+    assert (p.device, p.precision, p.generation.vllm_kwargs["dtype"]) == ("cpu", native, COMPUTE[native])  # no CUDA
+    for has_bf16, want in ((True, ("bf16-mixed", "bfloat16")), (False, ("fp32", "float32"))):
+        cpu = PolicyConfig()
+        resolve_device_and_dtype(cpu, cuda_available=False, cpu_bf16=has_bf16)
+        assert (cpu.device, cpu.precision, cpu.generation.vllm_kwargs["dtype"]) == ("cpu", *want)
     gpu = PolicyConfig()
     resolve_device_and_dtype(gpu, cuda_available=True)
     assert (gpu.device, gpu.precision, gpu.generation.vllm_kwargs["dtype"]) == ("cuda", "bf16-mixed", "bfloat16")
@@ -114,7 +121,7 @@ def test_engine_dtype_is_checked_against_the_precision():
     with pytest.warns(
         UserWarning, match=rf"{key}=bfloat16 with policy.precision=fp32: .*policy.precision=bf16-mixed trains faster"
     ):
-        cfg = load_config(SPEC, [f"{key}=bfloat16"], resolve_models=False)
+        cfg = load_config(SPEC, ["policy.precision=fp32", f"{key}=bfloat16"], resolve_models=False)
     assert (cfg.policy.precision, cfg.policy.generation.vllm_kwargs["dtype"]) == ("fp32", "bfloat16")
     with pytest.warns(UserWarning, match=rf"{key}=float32 with policy.precision=bf16-mixed: .*Remove {key}"):
         load_config(SPEC, ["policy.precision=bf16-mixed", f"{key}=float"], resolve_models=False)
@@ -162,7 +169,7 @@ def test_resolved_toy_config_fills_rl_defaults():
     assert Path(cfg.policy.model_name, "config.json").is_file()
     assert Path(kw["speculative_config"]["model"], "config.json").is_file()
     assert kw["speculative_config"]["draft_sample_method"] == "probabilistic"
-    assert kw["dtype"] == "float32"  # the engine samples in the CPU trainer's precision
+    assert kw["dtype"] == COMPUTE[cfg.policy.precision]  # the engine samples in the trainer's compute dtype
 
 
 def test_overrides_any_key_and_null():

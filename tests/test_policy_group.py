@@ -315,6 +315,7 @@ SMALL = [
     "policy.generation.max_new_tokens=28",
     "policy.generation.vllm_kwargs.speculative_config=null",  # plain sampling with per-request seeds: bit-reproducible
     "policy.generation.vllm_kwargs.enforce_eager=true",
+    "policy.precision=fp32",  # 1 and 2 workers agree to fp32 rounding (bf16-mixed: test_bf16_mixed_* above)
     "logger.progress_bar=false",
     "logger.wandb.enabled=false",
     "checkpoint.enabled=false",

@@ -76,6 +76,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.task.name not in TASKS:
         raise ConfigError(f"task.name={cfg.task.name!r} is not a known task; choose one of {sorted(TASKS)}")
     check_task_kwargs(cfg.task.name, TASKS[cfg.task.name], cfg.task.kwargs)
+    TASKS[cfg.task.name](**cfg.task.kwargs)  # a task that checks its values raises ConfigError here, at load
     if cfg.cluster.placement_strategy not in PLACEMENT_STRATEGIES:
         raise ConfigError(
             f"cluster.placement_strategy={cfg.cluster.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or "

@@ -13,6 +13,10 @@ another, so it is **replaced, not merged**:
   (``speculative_config.method=ngram``): then they start from that method's
   defaults (:data:`rl_specdec.config.speculation.METHOD_DEFAULTS`).
 
+Likewise ``task.kwargs`` are one task's arguments: a layer that names another
+task (``task.name``) starts from that task's defaults, dropping the inherited
+``task.kwargs``; a layer that keeps the task merges into them.
+
 Elsewhere a mapping with ``_replace_: true`` replaces the inherited mapping
 instead of merging into it.
 """
@@ -30,6 +34,7 @@ from rl_specdec.config.speculation import METHOD_DEFAULTS
 from rl_specdec.errors import ConfigError
 
 SPEC_KEY = "policy.generation.vllm_kwargs.speculative_config"
+TASK_NAME, TASK_KWARGS = "task.name", "task.kwargs"
 _UNSET = object()
 
 
@@ -55,9 +60,17 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     for base in defaults:
         merged = OmegaConf.merge(merged, read_yaml(path.parent / str(base), seen + (path,)))
     _apply_replace_markers(merged, cfg)
+    _reset_task_kwargs(merged, cfg)
     if OmegaConf.select(cfg, SPEC_KEY, default=_UNSET) is not _UNSET:
         OmegaConf.update(merged, SPEC_KEY, None, merge=False)  # the file's own speculative_config replaces it
     return OmegaConf.merge(merged, cfg)
+
+
+def _reset_task_kwargs(base: DictConfig, layer: DictConfig) -> None:
+    """A layer that names another task drops the inherited ``task.kwargs`` (the old task's arguments)."""
+    name = OmegaConf.select(layer, TASK_NAME, default=None)
+    if name is not None and name != OmegaConf.select(base, TASK_NAME, default=None):
+        OmegaConf.update(base, TASK_KWARGS, {}, merge=False)
 
 
 def _apply_replace_markers(base: DictConfig, child: DictConfig) -> None:
@@ -84,12 +97,14 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
 
 
 def apply_overrides(raw: DictConfig, overrides: list[str]) -> DictConfig:
-    """``raw`` with the command-line overrides applied (speculative_config replaced: see module doc)."""
+    """``raw`` with the command-line overrides applied (speculative_config and task.kwargs: see module doc)."""
     whole, single, rest = [], [], []
     for o in overrides:
         key = o.split("=", 1)[0].strip()
         (whole if key == SPEC_KEY else single if key.startswith(SPEC_KEY + ".") else rest).append(o)
-    raw = OmegaConf.merge(raw, parse_overrides(rest))
+    layer = parse_overrides(rest)
+    _reset_task_kwargs(raw, layer)
+    raw = OmegaConf.merge(raw, layer)
     for o in whole:
         OmegaConf.update(raw, SPEC_KEY, OmegaConf.select(parse_overrides([o]), SPEC_KEY), merge=False)
     if single:

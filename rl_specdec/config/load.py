@@ -177,9 +177,10 @@ def resolve_model_paths(cfg: RunConfig, build_toy: bool = True) -> None:
     cfg.policy.generation.vllm_kwargs = kw
 
 
-def resolve_device_and_dtype(p: PolicyConfig, cuda_available: bool | None = None) -> None:
+def resolve_device_and_dtype(p: PolicyConfig, cuda_available: bool | None = None, cpu_bf16: bool | None = None) -> None:
     """Replace 'auto' once, at load: device cuda where the loading process sees CUDA, else cpu;
-    precision bf16-mixed on cuda, fp32 on cpu; the engines' dtype (``vllm_kwargs.dtype``) the
+    precision bf16-mixed on cuda and on a CPU with native bf16 (``cpu_bf16``: probed when None), else
+    fp32; the engines' dtype (``vllm_kwargs.dtype``) the
     precision's compute dtype unless set, checked against the precision. Workers and engines use what
     this leaves.
 
@@ -187,7 +188,7 @@ def resolve_device_and_dtype(p: PolicyConfig, cuda_available: bool | None = None
     """
     if p.device == "auto":
         p.device = "cuda" if (checks.cuda_available() if cuda_available is None else cuda_available) else "cpu"
-    p.precision = precision.resolve(p.precision, p.device)
+    p.precision = precision.resolve(p.precision, p.device, cpu_bf16)
     p.generation.vllm_kwargs["dtype"] = precision.engine_dtype(p)  # the engine samples in the trainer's compute dtype
     precision.check_pairing(p.precision, p.generation.vllm_kwargs["dtype"])
 

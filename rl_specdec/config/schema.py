@@ -24,7 +24,7 @@ TOY_MODELS = {
 @dataclass
 class PolicyConfig:
     model_name: str = "toy:policy"  # "toy:policy", a local HF folder, or a hub id
-    # auto (bf16-mixed where the run has GPUs, fp32 on CPU) | fp32 | bf16-mixed | bf16: the trainer's master
+    # auto (bf16-mixed on GPUs and on CPUs with native bf16, else fp32) | fp32 | bf16-mixed | bf16: the trainer's master
     # weights, AdamW state and compute (rl_specdec/policy/precision.py); the engines' dtype follows unless
     # vllm_kwargs.dtype is set
     precision: str = "auto"

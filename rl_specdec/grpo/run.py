@@ -1,7 +1,9 @@
 """A GRPO run's parts and their life: start them, restore a checkpoint, record what runs, stop them.
 
 :func:`setup` builds a :class:`GRPORun`: the metrics logger (first, so a bad
-wandb setting fails in seconds), Ray, the engine group, the policy group and
+wandb setting fails in seconds), the tokenizer and the task (one prompt
+encoded, so a chat task with a template-less tokenizer fails before any actor
+starts), Ray, the engine group, the policy group and
 the drafter's upkeep; then it restores the newest intact checkpoint when
 resuming, and loads the trainer's weights into every engine before the first
 rollout.
@@ -23,7 +25,7 @@ from rl_specdec.grpo.stop import StopSignals
 from rl_specdec.metrics.logger import MetricsLogger, Timer
 from rl_specdec.policy import PolicyInterface
 from rl_specdec.rollout import RolloutEngine
-from rl_specdec.tasks import Task, make_task
+from rl_specdec.tasks import Task, encode_prompts, make_task
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +61,6 @@ class GRPORun:
 
 def setup(cfg: RunConfig) -> GRPORun:
     """Start the logger, Ray, the engines and the policy; sync weights; restore a checkpoint if resuming."""
-    from transformers import AutoTokenizer
-
     ckpt_dir = cfg.checkpoint.dir or str(Path(cfg.logger.log_dir) / "checkpoints")
     checkpoints = CheckpointManager(ckpt_dir, cfg.checkpoint.keep) if cfg.checkpoint.enabled else None
     latest = checkpoints.latest() if (checkpoints and cfg.resume) else None
@@ -69,14 +69,15 @@ def setup(cfg: RunConfig) -> GRPORun:
     # first, so that a bad wandb setting fails in seconds, before any engine starts
     metrics = MetricsLogger(cfg.logger.log_dir, to_dict(cfg), cfg.logger.wandb, resume=latest is not None)
     try:
+        tokenizer, task = prepare_task(cfg)  # before any actor: a task that cannot encode its prompts stops here
         generation, policy, drafter = _start_workers(cfg)
     except BaseException:
         metrics.finish()
         raise
     run = GRPORun(
         cfg,
-        AutoTokenizer.from_pretrained(cfg.policy.model_name),
-        make_task(cfg.task.name, **cfg.task.kwargs),
+        tokenizer,
+        task,
         policy,
         generation,
         metrics,
@@ -96,6 +97,16 @@ def setup(cfg: RunConfig) -> GRPORun:
         run.shutdown()
         raise
     return run
+
+
+def prepare_task(cfg: RunConfig) -> tuple[Any, Task]:
+    """The policy's tokenizer and the task, with one validation prompt encoded (a chat task needs a template)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
+    task = make_task(cfg.task.name, **cfg.task.kwargs)
+    encode_prompts(task, tokenizer, task.validation_batch(seed=0, n=1))
+    return tokenizer, task
 
 
 def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface, DrafterUpkeep]:

@@ -42,7 +42,7 @@ from rl_specdec.grpo.run import GRPORun
 from rl_specdec.metrics import compute_spec_decode_metrics
 from rl_specdec.rollout import GenerationOutput, SamplingSettings
 from rl_specdec.rollout.runtime_k.metrics import control_metrics
-from rl_specdec.tasks import Sample
+from rl_specdec.tasks import Sample, encode_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def score(run: GRPORun, samples: list[Sample], out: GenerationOutput) -> tuple[t
 def evaluate(run: GRPORun) -> dict[str, float]:
     """Greedy decoding on held-out problems: ``val/reward`` and ``val/accuracy``."""
     samples = run.task.validation_batch(seed=VAL_SEED, n=run.cfg.grpo.val_num_prompts)
-    prompt_ids = [run.tokenizer.encode(s.prompt) for s in samples]
+    prompt_ids = encode_prompts(run.task, run.tokenizer, samples)
     out = run.generation.generate(prompt_ids, SamplingSettings.from_config(run.cfg.policy.generation, temperature=0.0))
     rewards, correct = score(run, samples, out)
     return {"val/reward": rewards.mean().item(), "val/accuracy": correct.mean().item()}
@@ -97,7 +97,7 @@ def sampling_check(run: GRPORun) -> dict[str, float]:
     if not run.cfg.policy.generation.self_check or n == 0:
         return {}
     samples = run.task.validation_batch(seed=SAMPLING_CHECK_SEED, n=n)
-    prompt_ids = [run.tokenizer.encode(s.prompt) for s in samples] * 4
+    prompt_ids = encode_prompts(run.task, run.tokenizer, samples) * 4
     report = run.generation.check_sampling(
         prompt_ids, max_tokens=run.cfg.policy.generation.max_new_tokens, seed=run.cfg.seed
     )
@@ -122,7 +122,7 @@ def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
     with timer("prompts"):  # 1. P problems, each repeated G times (prompt-major)
         samples = step_prompts(run, step)
         group_samples = [s for s in samples for _ in range(G)]  # [P*G]
-        prompt_ids = [ids for s in samples for ids in [run.tokenizer.encode(s.prompt)] * G]  # [P*G]
+        prompt_ids = [ids for ids in encode_prompts(run.task, run.tokenizer, samples) for _ in range(G)]  # [P*G]
 
     # 2. rollouts; the call's spec-decode counters come with them. A stop asked for meanwhile drops the step
     with timer("generation"), run.stop.abandonable():

@@ -1,10 +1,11 @@
 """Tasks (prompts + verifiers) for the GRPO loop."""
 
-from rl_specdec.tasks.base import Sample, Task, TaskReward
+from rl_specdec.tasks.arithmetic import ArithmeticChatTask
+from rl_specdec.tasks.base import Sample, Task, TaskReward, encode_prompts
 from rl_specdec.tasks.longtail import LongTailSortTask
 from rl_specdec.tasks.sorting import SortingTask
 
-TASKS = {"sorting": SortingTask, "longtail_sorting": LongTailSortTask}
+TASKS = {"sorting": SortingTask, "longtail_sorting": LongTailSortTask, "chat_arithmetic": ArithmeticChatTask}
 
 
 def make_task(name: str, **kwargs) -> Task:
@@ -16,4 +17,14 @@ def make_task(name: str, **kwargs) -> Task:
     return TASKS[name](**kwargs)
 
 
-__all__ = ["Sample", "Task", "TaskReward", "SortingTask", "LongTailSortTask", "TASKS", "make_task"]
+__all__ = [
+    "Sample",
+    "Task",
+    "TaskReward",
+    "SortingTask",
+    "LongTailSortTask",
+    "ArithmeticChatTask",
+    "TASKS",
+    "make_task",
+    "encode_prompts",
+]

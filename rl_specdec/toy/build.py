@@ -96,6 +96,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("RL_SPECDEC_CACHE", Path.home() / ".cache" / "rl_specdec"))
 
 
+def cached_pair(folder: str, cfg, root: Path | None, make, log) -> ToyModels:
+    """A pair's folders: ``root``, or ``<cache>/<folder>/<cfg.key()>``; ``make(path, cfg, log)`` builds them
+    the first time (it ends with the ``DONE`` file)."""
+    out = ToyModels(Path(root) if root else cache_root() / folder / cfg.key())
+    if not (out.root / "DONE").exists():
+        make(out.root, cfg, log)
+    return out
+
+
 def build_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -95,11 +95,7 @@ def _sft_batch(rng: random.Random, cfg: LongTailToyConfig, tokenizer, counter: l
 
 def build_longtail_models(cfg: LongTailToyConfig | None = None, root: Path | None = None, log=print) -> ToyModels:
     """The long-tail pair's folders, built the first time (cached under its own key)."""
-    cfg = cfg or LongTailToyConfig()
-    out = ToyModels(Path(root) if root else build.cache_root() / "toy-longtail" / cfg.key())
-    if not (out.root / "DONE").exists():
-        _build(out.root, cfg, log)
-    return out
+    return build.cached_pair("toy-longtail", cfg or LongTailToyConfig(), root, _build, log)
 
 
 def _build(root: Path, cfg: LongTailToyConfig, log) -> None:

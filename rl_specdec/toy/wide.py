@@ -100,11 +100,7 @@ def widen(model, cfg: WideToyConfig):
 
 def build_wide_models(cfg: WideToyConfig | None = None, root: Path | None = None, log=print) -> ToyModels:
     """The wide pair's folders, built the first time (cached under its own key)."""
-    cfg = cfg or WideToyConfig()
-    out = ToyModels(Path(root) if root else build.cache_root() / "toy-wide" / cfg.key())
-    if not (out.root / "DONE").exists():
-        _build(out.root, cfg, log)
-    return out
+    return build.cached_pair("toy-wide", cfg or WideToyConfig(), root, _build, log)
 
 
 def distill_drafter(teacher, cfg: WideToyConfig, log):
