@@ -10,12 +10,18 @@ Speculation, in one line (a speculative_config is replaced, never merged):
   policy.generation.vllm_kwargs.speculative_config='{method: ngram, num_speculative_tokens: 3, prompt_lookup_max: 3}'
 The console shows a progress bar, validation lines and errors; ``--verbose``
 (or ``logger.level=info``) brings back vLLM's and Ray's logs.
+
+SIGTERM (a scheduler's preemption) or Ctrl-C finishes the step in progress (or
+drops it while it generates), checkpoints it, shuts everything down and exits
+143 or 130 with one line: the checkpoint and the command that resumes from it.
+A second signal, or ``checkpoint.grace_s`` seconds, exits at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -86,17 +92,23 @@ def main(argv: list[str] | None = None) -> int:
 
     from rl_specdec.errors import (
         CheckpointDamaged,
+        CheckpointWriteFailed,
         GenerationEngineDied,
         PolicyWorkerDied,
+        RunStopped,
         SamplingSelfCheckFailed,
         SpecDecodeCanaryTripped,
         WeightIntegrityError,
     )
     from rl_specdec.grpo.loop import train
+    from rl_specdec.rollout.placement import stop_ray
 
     t0 = time.time()
     try:
-        last = train(cfg)
+        last = train(cfg, resume_command=resume_command(args))
+    except RunStopped as e:  # SIGTERM or Ctrl-C: the last finished step is checkpointed, everything is shut down
+        print(e.message, file=sys.stderr)
+        return e.code
     except ConfigError as e:  # e.g. more GPUs than the Ray cluster has, found before any actor started
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -105,11 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         SamplingSelfCheckFailed,
         PolicyWorkerDied,
         CheckpointDamaged,
+        CheckpointWriteFailed,
         WeightIntegrityError,
         SpecDecodeCanaryTripped,
     ) as e:
         print(f"error: {e}", file=sys.stderr)  # the loop already logged the step and the last checkpoint
         return 1
+    finally:
+        stop_ray()  # the local Ray instance, and every process it started, are gone before this process exits
     if not last:  # resume=true found the run already at grpo.max_steps
         print(
             f"nothing to do: the checkpoint in {cfg.logger.log_dir} is already at grpo.max_steps={cfg.grpo.max_steps}"
@@ -121,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         f"metrics in {cfg.logger.log_dir}/metrics.jsonl (plot: python -m rl_specdec.plot {cfg.logger.log_dir})"
     )
     return 0
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """This command line with ``resume=true`` (instead of any ``resume=`` it had)."""
+    words = ["python", sys.argv[0], "--config", args.config] + (["--verbose"] if args.verbose else [])
+    words += [o for o in args.overrides if not o.startswith("resume=")] + ["resume=true"]
+    return shlex.join(words)
 
 
 if __name__ == "__main__":

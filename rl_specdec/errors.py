@@ -28,6 +28,27 @@ class CheckpointDamaged(RuntimeError):
     """No complete checkpoint in the folder is intact (the message names each damaged file)."""
 
 
+class CheckpointWriteFailed(RuntimeError):
+    """Writing a checkpoint failed (a full disk, a quota, a read-only folder); the half-written folder was
+    removed and the checkpoints before it are intact. The message names the folder and its free space."""
+
+
+class RunStopped(SystemExit):
+    """The run stopped on SIGTERM or SIGINT after saving what it had; ``code`` is 128 + the signal's number
+    (143, 130), so an uncaught one exits with the status a shell reports for that signal.
+
+    ``message`` is one line: the signal, the last finished step, its checkpoint and the command to resume.
+    """
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(128 + signum)
+        self.message = message
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class SamplingSelfCheckFailed(RuntimeError):
     """The engines do not sample from the policy's distribution (speculation is not lossless here)."""
 
@@ -50,10 +71,12 @@ class PrefixSpliceError(ValueError):
 
 __all__ = [
     "CheckpointDamaged",
+    "CheckpointWriteFailed",
     "ConfigError",
     "GenerationEngineDied",
     "PolicyWorkerDied",
     "PrefixSpliceError",
+    "RunStopped",
     "SamplingSelfCheckFailed",
     "SleepNotSupported",
     "SpecDecodeCanaryTripped",

@@ -146,6 +146,42 @@ def test_checkpoint_crash_mid_save_keeps_last_good(tmp_path):
     assert not list(tmp_path.glob(".tmp-*"))  # the crashed save's leftovers are gone
 
 
+def test_a_checkpoint_that_cannot_be_written_is_removed_and_named(tmp_path):
+    """A full disk mid-save: the half-written folder goes, the older checkpoints stay, and the error names the
+    folder and its free space; a dead worker or an interrupt propagate as they are, leaving nothing behind."""
+    import errno
+
+    from rl_specdec.errors import CheckpointWriteFailed, PolicyWorkerDied
+    from rl_specdec.grpo.checkpoint import verify
+
+    cm = CheckpointManager(str(tmp_path), keep=2)
+    cm.save(2, _save_fake_policy, {"step": 2})
+
+    def fills_the_disk(error):
+        def save(path):
+            _save_fake_policy(path)  # half of it is on disk when the write fails
+            raise error
+
+        return save
+
+    for error, name in [
+        (OSError(errno.ENOSPC, "No space left on device"), "OSError: [Errno 28] No space left on device"),
+        (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos"), "RuntimeError: [enforce"),
+    ]:
+        with pytest.raises(CheckpointWriteFailed) as e:
+            cm.save(4, fills_the_disk(error), {"step": 4})
+        assert f"could not write checkpoint step_000004 into {tmp_path}: {name}" in str(e.value)
+        assert "MiB free of" in str(e.value) and "intact: step_000002" in str(e.value)
+        assert (
+            sorted(p.name for p in tmp_path.iterdir()) == ["step_000002"] and verify(tmp_path / "step_000002") is None
+        )
+    for error in (PolicyWorkerDied("rank 0 died"), KeyboardInterrupt()):
+        with pytest.raises(type(error)):
+            cm.save(4, fills_the_disk(error), {"step": 4})
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002"]
+    assert cm.latest()[0].name == "step_000002" and cm.has(2) and not cm.has(4)
+
+
 def _save_fake_policy(path):
     """A checkpoint's layout: policy/model/*.safetensors and policy/optimizer.pt."""
     from safetensors.torch import save_file

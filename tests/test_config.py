@@ -202,6 +202,8 @@ def test_defaults_inheritance_and_interpolation(tmp_path):
         (["grpo.max_steps=0"], "grpo.max_steps"),
         (["grpo.max_steps=many"], "grpo.max_steps"),
         (["grpo.num_generations_per_prompt=1"], "grpo.num_generations_per_prompt"),
+        (["checkpoint.grace_s=0"], "checkpoint.grace_s=0.0 must be > 0"),
+        (["checkpoint.on_error=ignore"], "checkpoint.on_error='ignore' must be stop"),
         (["grpo.clip_eps=1.5"], "grpo.clip_eps"),
         (["policy.generation.temperature=0"], "policy.generation.temperature"),
         (["policy.generation.num_engines=0"], "policy.generation.num_engines"),

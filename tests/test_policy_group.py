@@ -202,6 +202,19 @@ def test_checkpoints_move_between_worker_counts(group, toy, tokenizer, tmp_path)
     assert max_diff(snapshot(again), after3) < TOL
 
 
+def test_a_failed_checkpoint_write_leaves_the_group_working(group, reference, tmp_path):
+    """Rank 0 writes after the gathers, so a write that fails (a full disk; here a folder under a file) raises
+    the writer's own error and no rank waits: the group goes on training and saving."""
+    g = group("fsdp2")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OSError):
+        g.save_checkpoint(str(tmp_path / "a_file" / "ckpt"))
+    assert len(g.workers) == 2 and g.pg is None
+    g.train_step(reference["batch"], LOSS)
+    g.save_checkpoint(str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / "optimizer.pt").is_file()
+
+
 class DieOnRank1:
     """A loss that kills worker rank 1's process in the middle of a step."""
 

@@ -64,6 +64,12 @@ def validate(cfg: RunConfig) -> None:
     validate_wandb(cfg.logger.wandb)
     positive("checkpoint.every", cfg.checkpoint.every)
     positive("checkpoint.keep", cfg.checkpoint.keep)
+    positive("checkpoint.grace_s", cfg.checkpoint.grace_s)
+    if cfg.checkpoint.on_error not in ("stop", "warn"):
+        raise ConfigError(
+            f"checkpoint.on_error={cfg.checkpoint.on_error!r} must be stop (a checkpoint that cannot be written "
+            "stops the run) or warn (a warning, and training goes on)"
+        )
     validate_speculation(gen)
     from rl_specdec.tasks import TASKS
 

@@ -102,6 +102,10 @@ class CheckpointConfig:
     dir: Optional[str] = None  # default: <log_dir>/checkpoints
     every: int = 10  # save every N steps; a killed run loses at most N steps
     keep: int = 2
+    # After SIGTERM or SIGINT: seconds to finish (or drop) the step in progress, checkpoint it and shut down;
+    # when they run out, or at a second signal, the run exits at once (grpo/stop.py)
+    grace_s: float = 60.0
+    on_error: str = "stop"  # a checkpoint that cannot be written (full disk): stop the run | warn and train on
 
 
 @dataclass

@@ -9,6 +9,12 @@ truncated or edited file, a missing one) is named in a warning and skipped for
 the newest intact one; if none is intact it stops with a message, instead of a
 deserialisation traceback deep in the policy. Only the newest ``keep``
 checkpoints are kept.
+
+A save that fails while writing (a full disk, a quota, a read-only folder)
+removes its half-written folder and raises
+:class:`~rl_specdec.errors.CheckpointWriteFailed`, naming the folder and the
+free space there; the checkpoints before it are untouched (old ones are pruned
+only after a save succeeds).
 """
 
 from __future__ import annotations
@@ -21,11 +27,17 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from rl_specdec.errors import CheckpointDamaged
+from safetensors import SafetensorError
+
+from rl_specdec.errors import CheckpointDamaged, CheckpointWriteFailed, PolicyWorkerDied
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+# What a failed write raises: the OS's error, or the writers' own wrappers of it. torch.save reports a full
+# disk as a RuntimeError ("unexpected pos ..."), safetensors as a SafetensorError ("No space left on device").
+# Through a Ray actor each arrives as an instance of its own class (RayTaskError.as_instanceof_cause).
+WRITE_ERRORS: tuple[type[BaseException], ...] = (OSError, RuntimeError, SafetensorError)
 
 
 def _sha256(path: Path) -> str:
@@ -116,19 +128,37 @@ class CheckpointManager:
             )
         return None
 
+    def path(self, step: int) -> Path:
+        return self.dir / f"step_{step:06d}"
+
+    def has(self, step: int) -> bool:
+        """Whether the checkpoint of ``step`` is on disk, complete and intact."""
+        return self.path(step) in self._complete() and self._problem(self.path(step)) is None
+
     def save(self, step: int, save_policy, state: dict[str, Any]) -> Path:
-        """``save_policy(path)`` writes the model and optimizer into ``path``."""
+        """``save_policy(path)`` writes the model and optimizer into ``path``.
+
+        A write that fails (:data:`WRITE_ERRORS`) removes the half-written folder and raises
+        :class:`CheckpointWriteFailed`; any other error removes it too and propagates as it is.
+        """
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob(".tmp-step_*"):  # left by a crash mid-save
             shutil.rmtree(stale, ignore_errors=True)
-        final = self.dir / f"step_{step:06d}"
-        tmp = self.dir / f".tmp-step_{step:06d}"
-        save_policy(str(tmp))
-        with open(tmp / "trainer_state.json", "w") as f:
-            json.dump(state, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        write_manifest(tmp)
+        final, tmp = self.path(step), self.dir / f".tmp-step_{step:06d}"
+        try:
+            save_policy(str(tmp))
+            with open(tmp / "trainer_state.json", "w") as f:
+                json.dump(state, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            write_manifest(tmp)
+        except BaseException as e:
+            failed = isinstance(e, WRITE_ERRORS) and not isinstance(e, PolicyWorkerDied)
+            free = _free_space(self.dir) if failed else ""  # before the half-written folder goes: what filled it
+            shutil.rmtree(tmp, ignore_errors=True)
+            if failed:
+                raise CheckpointWriteFailed(self._write_failed(final, e, free)) from e
+            raise
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -137,3 +167,22 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
             self._verified.pop(old, None)
         return final
+
+    def _write_failed(self, final: Path, e: BaseException, free: str) -> str:
+        cause = getattr(e, "cause", None) or e  # a Ray actor's error carries the original one
+        kept = [p.name for p in self._complete()]
+        return (
+            f"could not write checkpoint {final.name} into {self.dir}: {type(cause).__name__}: {cause}. "
+            f"{free} when it failed. The half-written folder was removed; "
+            f"{'the checkpoints there are intact: ' + ', '.join(kept) if kept else 'there is no earlier checkpoint'}. "
+            "Free some space there (or point checkpoint.dir at a disk with room) and continue with resume=true; "
+            "checkpoint.on_error=warn trains on when a checkpoint cannot be written"
+        )
+
+
+def _free_space(folder: Path) -> str:
+    try:
+        usage = shutil.disk_usage(folder)
+    except OSError as e:
+        return f"its free space could not be read ({e})"
+    return f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on that disk"

@@ -7,6 +7,11 @@ checkpoint every ``checkpoint.every`` steps (atomic, with a checksum
 manifest), and logs the step's row to wandb, the console and
 ``metrics.jsonl``. Before anything is generated, the engines hold the
 trainer's weights, so every rollout comes from the weights the trainer holds.
+
+A checkpoint that cannot be written (a full disk) stops the run, or only warns
+with ``checkpoint.on_error=warn``. SIGTERM and SIGINT stop it after the step in
+progress (:mod:`rl_specdec.grpo.stop`): that step is checkpointed and logged,
+or dropped if it was still generating, and every part is shut down.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from rl_specdec.config import RunConfig
+from rl_specdec.errors import CheckpointWriteFailed
 from rl_specdec.grpo.run import GRPORun, setup
 from rl_specdec.grpo.step import due, evaluate, grpo_step, sampling_check
+from rl_specdec.grpo.stop import StopSignals
 
 logger = logging.getLogger(__name__)
 
@@ -45,47 +52,124 @@ def baseline(run: GRPORun) -> dict[str, Any]:
     return row
 
 
-def train(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
-    """Run GRPO to ``grpo.max_steps``; returns the last step's metrics ({} if there was nothing to do)."""
+def train(cfg: RunConfig, progress: bool | None = None, resume_command: str | None = None) -> dict[str, Any]:
+    """Run GRPO to ``grpo.max_steps``; returns the last step's metrics ({} if there was nothing to do).
+
+    SIGTERM and SIGINT stop it without losing a finished step (:mod:`rl_specdec.grpo.stop`): it raises
+    :class:`~rl_specdec.errors.RunStopped` once that step is checkpointed and logged and the run's processes
+    are gone; its line gives ``resume_command`` (the command line that resumes) when the caller passes one.
+    """
+    from rl_specdec.rollout.placement import record_ray_processes, stop_ray
+
+    show = cfg.logger.progress_bar if progress is None else progress
+    with StopSignals(cfg.checkpoint.grace_s, resume_command) as stop:
+        try:
+            with stop.abandonable():  # a signal while the engines start stops at once: no step to save yet
+                run = setup(cfg)
+        except KeyboardInterrupt:
+            if not stop.requested:
+                raise
+            stop_ray()
+            raise stop.stopped(None, None) from None
+        run.stop, stop.checkpoints = stop, run.checkpoints
+        record_ray_processes()
+        try:
+            last, finished = run_steps(run, show)
+            saved = last_checkpoint(run, finished, last) if stop.requested else None
+        finally:
+            record_ray_processes()  # while the tree is whole: the actors' children leave it when they are killed
+            run.shutdown()
+        if stop.requested:
+            if killed := stop_ray():
+                logger.info("killed what Ray left running after its shutdown: %s", ", ".join(killed))
+            raise stop.stopped(finished, saved)
+    return last
+
+
+def run_steps(run: GRPORun, show: bool) -> tuple[dict[str, Any], int]:
+    """The step-0 row, then the steps from ``run.start_step``; returns the last row and the steps finished.
+
+    After a stop request it returns once the step in progress is finished, checkpointed and logged. A request
+    while a step generates (or the step-0 row) drops that step at once: its rollouts are not trained on.
+    """
     from tqdm.auto import tqdm
 
-    run = setup(cfg)
-    g, last, step = cfg.grpo, {}, run.start_step
-    show = cfg.logger.progress_bar if progress is None else progress
+    g, last, step = run.cfg.grpo, {}, run.start_step
+    bar = tqdm(total=g.max_steps, initial=run.start_step, desc="GRPO", disable=not show)
     try:
-        if run.start_step == 0 and "val/accuracy" in (row0 := baseline(run)) and show:
-            tqdm.write(f"step 0: val/accuracy {row0['val/accuracy']:.3f}  (before training)")
-        bar = tqdm(
-            range(run.start_step, g.max_steps), initial=run.start_step, total=g.max_steps, desc="GRPO", disable=not show
-        )
-        for step in bar:
-            t0 = time.perf_counter()
-            last = grpo_step(run, step)
-            if run.checkpoints and due(step + 1, cfg.checkpoint.every, g.max_steps):
-                with run.timer("checkpoint"):
-                    save_checkpoint(run, step + 1, last)
-                last.update(run.timer.pop())
-            last["timing/step"] = time.perf_counter() - t0
-            run.metrics.log(last, step=step + 1)
+        if run.start_step == 0:
+            with run.stop.abandonable():
+                row0 = baseline(run)
+            if "val/accuracy" in row0 and show:
+                bar.write(f"step 0: val/accuracy {row0['val/accuracy']:.3f}  (before training)")
+        for step in range(run.start_step, g.max_steps):
+            last = step_and_log(run, step)
+            bar.update(1)
             bar.set_postfix(_postfix(last))
             if "val/accuracy" in last:
                 bar.write(
                     f"step {step + 1}: val/accuracy {last['val/accuracy']:.3f}  train/reward "
                     f"{last['train/reward_mean']:.3f}"
                 )
-        bar.close()
+            if run.stop.requested:
+                return last, step + 1
+    except KeyboardInterrupt:
+        if not run.stop.requested:
+            _log_failure(run, step, KeyboardInterrupt())
+            raise
+        logger.warning("step %d dropped: the stop came while it was generating; %d steps are finished", step + 1, step)
+        return last, step
     except BaseException as e:
-        latest = run.checkpoints.latest() if run.checkpoints else None
-        where = (
-            f"; the last checkpoint is {latest[0]} (step {latest[1]['step']}), continue with resume=true"
-            if latest
-            else ""
-        )
-        logger.error("GRPO stopped at step %d: %s: %s%s", step + 1, type(e).__name__, e, where)
+        _log_failure(run, step, e)
         raise
     finally:
-        run.shutdown()
-    return last
+        bar.close()
+    return last, g.max_steps
+
+
+def step_and_log(run: GRPORun, step: int) -> dict[str, Any]:
+    """One step, its checkpoint when due (or when a stop was asked for), and its row in metrics.jsonl."""
+    t0 = time.perf_counter()
+    row = grpo_step(run, step)
+    if run.checkpoints and (due(step + 1, run.cfg.checkpoint.every, run.cfg.grpo.max_steps) or run.stop.requested):
+        checkpoint_step(run, step + 1, row)
+    row["timing/step"] = time.perf_counter() - t0
+    run.metrics.log(row, step=step + 1)
+    return row
+
+
+def checkpoint_step(run: GRPORun, step: int, row: dict[str, Any]) -> None:
+    """Save after ``step`` steps; a write that fails stops the run, or only warns with ``checkpoint.on_error=warn``."""
+    try:
+        with run.timer("checkpoint"):
+            save_checkpoint(run, step, row)
+    except CheckpointWriteFailed as e:
+        if run.cfg.checkpoint.on_error != "warn":
+            raise
+        logger.warning("%s. Training goes on without it (checkpoint.on_error=warn)", e)
+    row.update(run.timer.pop())
+
+
+def last_checkpoint(run: GRPORun, finished: int, row: dict[str, Any]) -> Path | None:
+    """After a stop: the checkpoint of the last finished step, written now unless it is on disk (a step dropped
+    while generating leaves the one before it, which may not have been due); None when there is none."""
+    if run.checkpoints is None or finished == 0:
+        return None
+    if not run.checkpoints.has(finished):
+        try:
+            save_checkpoint(run, finished, row)
+        except CheckpointWriteFailed as e:
+            logger.error("%s", e)
+            return None
+    return run.checkpoints.path(finished)
+
+
+def _log_failure(run: GRPORun, step: int, e: BaseException) -> None:
+    latest = run.checkpoints.latest() if run.checkpoints else None
+    where = (
+        f"; the last checkpoint is {latest[0]} (step {latest[1]['step']}), continue with resume=true" if latest else ""
+    )
+    logger.error("GRPO stopped at step %d: %s: %s%s", step + 1, type(e).__name__, e, where)
 
 
 def _postfix(m: dict[str, Any]) -> dict[str, str]:

@@ -12,7 +12,7 @@ rollout.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from rl_specdec.drafter.upkeep import DrafterUpkeep
 from rl_specdec.errors import GenerationEngineDied, PolicyWorkerDied
 from rl_specdec.grpo.checkpoint import CheckpointManager
 from rl_specdec.grpo.loss import ClippedPGLoss
+from rl_specdec.grpo.stop import StopSignals
 from rl_specdec.metrics.logger import MetricsLogger, Timer
 from rl_specdec.policy import PolicyInterface
 from rl_specdec.rollout import RolloutEngine
@@ -44,6 +45,7 @@ class GRPORun:
     timer: Timer
     drafter: DrafterUpkeep
     start_step: int = 0
+    stop: StopSignals = field(default_factory=StopSignals)  # SIGTERM/SIGINT: what the loop and the step check
 
     def shutdown(self) -> None:
         """Stop the engines, the policy workers and the drafter, in that order, and close the logger."""

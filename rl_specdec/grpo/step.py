@@ -124,7 +124,8 @@ def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
         group_samples = [s for s in samples for _ in range(G)]  # [P*G]
         prompt_ids = [ids for ids in encode_prompts(run.task, run.tokenizer, samples) for _ in range(G)]  # [P*G]
 
-    with timer("generation"):  # 2. rollouts; the call's spec-decode counters come with them
+    # 2. rollouts; the call's spec-decode counters come with them. A stop asked for meanwhile drops the step
+    with timer("generation"), run.stop.abandonable():
         seed = sampling_seed(run.cfg.seed, step)
         sampling = SamplingSettings.from_config(run.cfg.policy.generation, seed=seed, logprobs=run.drafter.top_k(step))
         out = run.generation.generate(prompt_ids, sampling)

@@ -84,13 +84,15 @@ class MetricsLogger:
         return rid
 
     def truncate_after(self, step: int) -> None:
-        """On resume: drop JSONL lines of steps after the checkpoint (they will be redone)."""
+        """On resume: drop JSONL lines of steps after the checkpoint (they will be redone).
+
+        Written whole under a temporary name, then renamed: a signal or a crash meanwhile leaves the old file."""
         if not self.path.exists():
             return
         keep = [
             line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
         ]
-        self.path.write_text("".join(line + "\n" for line in keep))
+        self.write_file(self.path.name, "".join(line + "\n" for line in keep))
 
     def add_config(self, values: dict[str, Any]) -> None:
         """Add to the wandb run's config (e.g. what the engines really run, under ``engine/``)."""

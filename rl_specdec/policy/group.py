@@ -131,8 +131,13 @@ class PolicyGroup:
         n = self.nodes[rank] if rank < len(self.nodes) else {}
         return f"rank {rank} (node {n.get('ip', '?')}, id {str(n.get('node_id', '?'))[:12]}, pid {n.get('pid', '?')})"
 
-    def _get(self, refs: list, ranks: list[int] | None = None) -> list:
-        """Every rank's result; if one fails, the dead workers (or else the first error) name themselves."""
+    def _get(self, refs: list, ranks: list[int] | None = None, keep_group: bool = False) -> list:
+        """Every rank's result; if one fails, the dead workers (or else the first error) name themselves.
+
+        ``keep_group``: no rank waits for another after the call's collectives (a checkpoint write), so a rank's
+        error (not its death) leaves the group usable: it is raised as it is (an instance of its own class), and
+        the group is not stopped.
+        """
         import ray
         from ray.exceptions import RayActorError
 
@@ -152,6 +157,8 @@ class PolicyGroup:
         if not errors:
             return [results[r] for r in ranks]
         dead = sorted(r for r, e in errors.items() if isinstance(e, RayActorError))
+        if keep_group and not dead:
+            raise errors[min(errors)]
         self.shutdown()  # survivors may be stuck in a collective with the dead
         if dead:
             raise PolicyWorkerDied(
@@ -228,7 +235,9 @@ class PolicyGroup:
                 self._get([ref], [rank])
 
     def save_checkpoint(self, path: str) -> None:
-        self._run("save_checkpoint", [(path,)] * len(self.workers))
+        """Rank 0 writes after the gathers: a failed write (a full disk) raises its error and the group goes on."""
+        self._settle()
+        self._get([w.save_checkpoint.remote(path) for w in self.workers], keep_group=True)
 
     def load_checkpoint(self, path: str) -> None:
         self._run("load_checkpoint", [(path,)] * len(self.workers))

@@ -23,7 +23,7 @@ import time
 from typing import Any, Iterable, Iterator, Sequence
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -284,13 +284,22 @@ class VllmGeneration:
     def wake_up(self) -> None:
         self._get([w.wake_up.remote() for w in self.workers])
 
-    def shutdown(self) -> None:
-        """Stop every engine and actor and release the placement group."""
-        for i, w in enumerate(self.workers):
-            try:
-                ray.get(w.shutdown.remote(), timeout=30)
-            except (RayActorError, GetTimeoutError) as e:  # dead or stuck: killed below either way
-                logger.info("engine %d did not shut down by itself (%s); killing its actor", i, type(e).__name__)
+    def shutdown(self, wait_s: float = 30.0) -> None:
+        """Stop every engine and actor and release the placement group.
+
+        The engines stop together, within ``wait_s`` (an engine still busy with a call that a stop abandoned
+        finishes it first); one that does not is killed with its actor all the same.
+        """
+        refs = [w.shutdown.remote() for w in self.workers]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s) if refs else ([], [])
+        for i, (w, ref) in enumerate(zip(self.workers, refs)):
+            if ref not in done:
+                logger.info("engine %d did not shut down within %gs; killing its actor", i, wait_s)
+            else:
+                try:
+                    ray.get(ref)
+                except RayActorError as e:  # dead already: killed below either way
+                    logger.info("engine %d was gone at shutdown (%s); killing its actor", i, type(e).__name__)
             ray.kill(w, no_restart=True)
         if self._checksummer is not None:
             ray.kill(self._checksummer, no_restart=True)

@@ -1,4 +1,4 @@
-"""Where engines run: Ray start-up, placement-group bundles, CPU core binding, sharding.
+"""Where engines run: Ray start-up and shut-down, placement-group bundles, CPU core binding, sharding.
 
 One placement-group bundle per engine: ``tensor_parallel_size`` GPUs (+1 CPU)
 on a GPU cluster, ``cpus_per_engine`` CPUs otherwise. Because placement goes
@@ -6,31 +6,103 @@ through a placement group, the same code spans the nodes of an existing Ray
 cluster (``cluster.address``). Engines that share a host get disjoint cores
 for their OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), so two engines on a
 2-core machine never fight over the same core.
+
+:func:`init_ray` starts a local Ray instance (or joins ``cluster.address``)
+and notes which processes the local instance starts; :func:`stop_ray` shuts
+it down and makes sure every one of them is gone; :func:`kill_ray_now` kills
+them for an exit that cannot wait. A cluster that was joined is never shut
+down: only the run's actors (stopped by their groups) are the run's there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from collections import defaultdict
 from typing import Any
 
+import psutil
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from rl_specdec.config.generation import ClusterConfig, GenerationConfig
 from rl_specdec.metrics.console import console_level, worker_env
 
+# The local Ray instance init_ray started in this process: this process's descendants from before it
+# ("before"), and every process of the instance seen since ("seen"); None when Ray was joined or not started here.
+_local: dict[str, set[psutil.Process]] | None = None
+
 
 def init_ray(cluster: ClusterConfig) -> None:
-    """Start or join Ray once per process; its workers log at the console's level (rl_specdec.metrics.console)."""
+    """Start or join Ray once per process; its workers log at the console's level (rl_specdec.metrics.console).
+
+    ray.init installs its own SIGTERM handlers in the driver: ``sys.exit``, and the core worker's native
+    failure handler, which prints a stack dump (``*** SIGTERM received ... PC: @``) and aborts with status 134.
+    A Python handler for SIGTERM or SIGINT installed before (the GRPO loop's, grpo/stop.py) is put back, which
+    replaces both.
+    """
+    global _local
     if ray.is_initialized():
         return
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "logging_level": console_level()}
     if env := worker_env():
         kwargs["runtime_env"] = {"env_vars": env}
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
     if cluster.address:
         ray.init(address=cluster.address, **kwargs)
     else:  # "local": never attach to some other job's running cluster by accident
+        before = set(_descendants())
         ray.init(address="local", num_cpus=cluster.num_cpus, **kwargs)
+        _local = {"before": before, "seen": set()}
+    for s, handler in handlers.items():
+        if callable(handler):
+            signal.signal(s, handler)
+
+
+def _descendants() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)  # skips a child that ends while the tree is walked
+
+
+def record_ray_processes() -> list[psutil.Process]:
+    """The processes the local Ray instance started that are alive now (its GCS, raylet, agents, workers and the
+    engines' own processes), added to those seen before: call it while the tree is whole (before actors are
+    killed, whose children then leave it). Empty when Ray was joined or started elsewhere."""
+    if _local is None:
+        return []
+    _local["seen"].update(p for p in _descendants() if p not in _local["before"])
+    return [p for p in _local["seen"] if p.is_running()]
+
+
+def stop_ray(wait_s: float = 5.0) -> list[str]:
+    """Shut down the local Ray instance :func:`init_ray` started, and make sure every process it started is gone.
+
+    ``ray.shutdown`` stops the GCS and the raylet; the raylet's workers and agents (dashboard agent, runtime env
+    agent) and the engines' processes end by themselves, mostly: any still alive ``wait_s`` seconds later is
+    killed. Returns what had to be killed. Nothing happens for a joined cluster or a Ray started elsewhere.
+    """
+    global _local
+    procs = record_ray_processes()
+    if _local is None:
+        return []
+    ray.shutdown()
+    _local = None
+    _, alive = psutil.wait_procs(procs, timeout=wait_s)
+    killed = []
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):  # it ended in the meantime
+            killed.append(f"{p.name()} (pid {p.pid})")
+            p.kill()
+    psutil.wait_procs(alive, timeout=2.0)
+    return killed
+
+
+def kill_ray_now() -> None:
+    """SIGKILL every process the local Ray instance started, without a word to Ray: for an exit that cannot wait."""
+    for p in record_ray_processes():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
 
 
 def cluster_has_gpus() -> bool:

@@ -10,7 +10,9 @@ swapping the classes of two objects of the app's state:
 * ``RLServingChat``: ``return_token_ids``/``logprobs`` on unless a request sets
   them, and ``prompt_token_ids``/``generation_token_ids``/``generation_log_probs``
   copied onto each returned assistant message, so the message goes back as is
-  and splices.
+  and splices;
+* :func:`quiet_client_errors`: vLLM's own log lines for a client's mistake go
+  down to DEBUG (the server's request log restates each 4xx at INFO).
 
 :func:`check_vllm_hooks` (a probe of :mod:`rl_specdec.vllm_ext`) fails when a
 vLLM upgrade moves what we override. See docs/multi_turn.md for why the splice
@@ -23,6 +25,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import logging
 from typing import Any, Callable
 
 from rl_specdec.errors import ConfigError, PrefixSpliceError
@@ -304,10 +307,11 @@ def install_rl_hooks(state: Any, cfg: Any, splice: Callable[..., list[int]]) -> 
         state.openai_serving_chat.__class__ = RLServingChat
 
 
-async def build_app(engine: Any, cfg: Any, splice: Callable[..., list[int]]):
+async def build_app(engine: Any, cfg: Any, splice: Callable[..., list[int]], wrap: Callable[[Any], Any] | None = None):
     """vLLM's OpenAI app on ``engine`` (a running ``AsyncLLM``) with our hooks, and its listening socket.
 
-    Returns ``(app, uvicorn server, socket)``; the caller serves it on its own event loop.
+    Returns ``(app, uvicorn server, socket)``; the caller serves it on its own event loop. ``wrap``: an ASGI
+    wrapper the server runs around the whole app (the request log).
     """
     import uvicorn
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
@@ -322,11 +326,49 @@ async def build_app(engine: Any, cfg: Any, splice: Callable[..., list[int]]):
     install_rl_hooks(app.state, cfg, splice)
     sock = create_server_socket((cfg.host, cfg.port), reuse_port=False)
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30, backlog=2048
+        wrap(app) if wrap else app,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_keep_alive=30,
+        backlog=2048,
     )
     server = NoSignalServer(config)  # the host process (a Ray actor) owns its signals
     app.state.server = server  # vLLM's engine-dead handler stops the server through it
     return app, server, sock
+
+
+# vLLM's own lines for a client's mistake, which the server's request log restates at INFO with the request id:
+# (logger = module, format string, the function of that module that logs it). quiet_client_errors() makes them DEBUG.
+CLIENT_ERROR_LINES = (
+    ("vllm.entrypoints.openai.chat_completion.serving", "Error with model %s", "OpenAIServingChat.render_chat_request"),
+    ("vllm.renderers.hf", "Chat template rejected the request: %s", "safe_apply_chat_template"),
+)
+
+
+class _ClientErrorsToDebug(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (record.name, record.msg) in {(name, msg) for name, msg, _ in CLIENT_ERROR_LINES}:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+def quiet_client_errors() -> None:
+    """vLLM's ERROR for an unknown model and WARNING for a chat template's refusal (both 4xx) become DEBUG."""
+    _probe_client_error_lines()
+    for name, _, _ in CLIENT_ERROR_LINES:
+        if not any(isinstance(f, _ClientErrorsToDebug) for f in logging.getLogger(name).filters):
+            logging.getLogger(name).addFilter(_ClientErrorsToDebug())
+
+
+def _probe_client_error_lines() -> None:
+    import importlib
+
+    for name, msg, where in CLIENT_ERROR_LINES:
+        module = importlib.import_module(name)
+        code = inspect.getsource(functools.reduce(getattr, where.split("."), module))
+        if getattr(module, "logger", None) is None or module.logger.name != name or f'"{msg}"' not in code:
+            raise RuntimeError(f"vLLM no longer logs {msg!r} in {name}.{where}; update CLIENT_ERROR_LINES")
 
 
 def _probe_launcher() -> None:
@@ -349,4 +391,5 @@ PROBES = {
     "OnlineRenderer / OpenAIServingChat overrides": check_vllm_hooks,
     "api_server app and launcher": _probe_launcher,
     "serve argument parser": _probe_serve_args,
+    "client-error log lines": _probe_client_error_lines,
 }

@@ -1,0 +1,99 @@
+"""examples/run_grpo.py with test-only hooks, chosen by environment variables (tests/test_stops.py).
+
+    python tests/run_grpo_hooked.py --config configs/grpo_spec.yaml key=value ...
+
+``RL_SPECDEC_TEST_PAUSE=<phase>:<step>:<seconds>`` holds the run inside one phase of one step (1-based) so a
+test can signal it there: it writes ``<logger.log_dir>/paused`` and waits. ``train``: the driver sleeps before
+the policy's train step (a phase the loop finishes). ``generation``: the driver waits in ``ray.get`` on a remote
+task before the rollouts (a phase a stop drops), as it does on the engines.
+
+``RL_SPECDEC_TEST_DISK_FULL=<step>``: writing the checkpoint of that step fails with ENOSPC after the policy
+and the drafter have written their files, as a disk that fills up mid-save does.
+
+``RL_SPECDEC_TEST_VLLM_VERSION=<version>``: the version vLLM reports to rl_specdec's gate.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _log_dir() -> Path:
+    given = [a.split("=", 1)[1] for a in sys.argv if a.startswith("logger.log_dir=")]
+    return Path(given[-1])
+
+
+def _pause(phase: str, step: int, seconds: float) -> None:
+    import ray
+
+    from rl_specdec.policy.group import PolicyGroup
+    from rl_specdec.rollout.group import VllmGeneration
+
+    calls = {"train": 0, "generation": 0}
+
+    @ray.remote(num_cpus=0)
+    def wait(s: float) -> None:
+        time.sleep(s)
+
+    def hold(kind: str) -> None:
+        calls[kind] += 1
+        if kind == phase and calls[kind] == step:
+            (_log_dir() / "paused").write_text(kind)
+            if kind == "train":
+                time.sleep(seconds)
+            else:
+                ray.get(wait.remote(seconds))
+
+    real_train, real_generate = PolicyGroup.train_step, VllmGeneration.generate
+
+    def train_step(self, batch, loss_fn):
+        hold("train")
+        return real_train(self, batch, loss_fn)
+
+    def generate(self, prompt_token_ids, sampling):
+        if sampling.temperature > 0:  # the rollouts, not validation
+            hold("generation")
+        return real_generate(self, prompt_token_ids, sampling)
+
+    PolicyGroup.train_step, VllmGeneration.generate = train_step, generate
+
+
+def _disk_full(step: int) -> None:
+    from rl_specdec.grpo import checkpoint
+
+    real = checkpoint.write_manifest
+
+    def write_manifest(root: Path) -> None:
+        if root.name == f".tmp-step_{step:06d}":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(root / checkpoint.MANIFEST))
+        real(root)
+
+    checkpoint.write_manifest = write_manifest
+
+
+def main() -> None:
+    from rl_specdec.metrics.console import configure_console
+
+    configure_console("error")  # as run_grpo.py does, before the hooks import vLLM
+    if pause := os.environ.get("RL_SPECDEC_TEST_PAUSE"):
+        phase, step, seconds = pause.split(":")
+        _pause(phase, int(step), float(seconds))
+    if step := os.environ.get("RL_SPECDEC_TEST_DISK_FULL"):
+        _disk_full(int(step))
+    if version := os.environ.get("RL_SPECDEC_TEST_VLLM_VERSION"):
+        from rl_specdec import vllm_ext
+
+        vllm_ext.installed_version = lambda: version
+    sys.argv = [str(ROOT / "examples/run_grpo.py"), *sys.argv[1:]]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
