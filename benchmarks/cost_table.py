@@ -4,9 +4,20 @@ Two engines on the pair, alive side by side: no speculation, and draft_model
 with ``num_speculative_tokens: 5`` whose k is set at run time
 (``speculation_control.mode=fixed``; k=0 takes the fast path). For each round
 (one seed), each batch size and each k (engine order rotating), one call of
-``--tokens`` tokens per request with ``ignore_eos``, so the batch stays b for
-the whole call; the step time is the call's time over its engine steps, less
-those of a call of 4 tokens (so the prefill and a call's fixed cost drop out). The
+``--tokens`` tokens per request with ``ignore_eos``.
+
+* Without speculation every request gains one token a step, so the batch stays
+  b for the whole call: the step time is the call's time over its engine steps,
+  less those of a call of 4 tokens (so the prefill and a call's fixed cost drop
+  out).
+* With k drafts, requests gain 1 to k+1 tokens a step and reach ``max_tokens``
+  at different steps, so a call ends in a tail of smaller batches; its time over
+  its steps would price t(b, k) at a smaller b, 15-30% low from b=8 up. The step
+  time is instead the mean time of the call's steps that verified k drafts for
+  all b requests, from the fast path's own record of each step (its start to the
+  next one's, as ``benchmarks/step_records.py`` returns them).
+
+The
 acceptance length E[L(k)] is measured apart, on task prompts that stop
 naturally (temperature 1), because tokens past EOS are not the task's.
 
@@ -28,6 +39,7 @@ import time
 from pathlib import Path
 
 from rollout import cores_and_load, log
+from step_records import engine_group, importable
 
 ROOT = Path(__file__).resolve().parents[1]
 K_MAX = 5
@@ -62,7 +74,6 @@ def pair_prompts(pair: str, tokenizer, n: int, seed: int) -> list[list[int]]:
 def start(models, pair: str, speculate: bool, model=None):
     from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
     from rl_specdec.config.generation import SpeculationControlConfig
-    from rl_specdec.rollout.group import VllmGeneration
 
     max_len, kv, _ = PAIRS[pair]
     spec = None
@@ -82,29 +93,41 @@ def start(models, pair: str, speculate: bool, model=None):
         self_check=False,
         speculation_control=SpeculationControlConfig(mode="fixed" if speculate else "off"),
     )
-    return VllmGeneration(str(model or models.policy), cfg)
+    return engine_group(speculate)(str(model or models.policy), cfg)
 
 
 SHORT = 4  # tokens of the short call whose time and steps are subtracted (the prefill, the call's own overhead)
 
 
 def timed_call(plain, draft, k: int | None, prompts, tokens: int, seed: int) -> tuple[float, int]:
-    """(seconds, engine steps) of the decode steps of one ignore_eos call of ``tokens`` tokens per request:
-    a call of SHORT tokens is timed as well and subtracted, which removes the prefill step and the fixed
-    cost of a call. k=None is the engine without speculation."""
+    """(seconds, engine steps) of the decode steps at batch b of one ignore_eos call of ``tokens`` tokens per
+    request. k=None is the engine without speculation: a call of SHORT tokens is timed as well and subtracted,
+    which removes the prefill step and the fixed cost of a call. With the speculative engine: the steps its
+    fast path recorded that verified k drafts (k=0: plain steps) for all b requests, and their time."""
     from rl_specdec.rollout import SamplingSettings
 
-    g = plain if k is None else draft
-    if k is not None:
-        draft.set_speculation(k)
-    dts, steps = [], []
-    for n in (SHORT, SHORT + tokens):
-        sampling = SamplingSettings(max_tokens=n, temperature=1.0, seed=seed, ignore_eos=True)
-        t0 = time.perf_counter()
-        out = g.generate(prompts, sampling)
-        dts.append(time.perf_counter() - t0)
-        steps.append(n if k is None else out.spec_control[0]["steps"])  # the engine's steps in this call
-    return dts[1] - dts[0], steps[1] - steps[0]
+    if k is None:
+        dts = []
+        for n in (SHORT, SHORT + tokens):
+            sampling = SamplingSettings(max_tokens=n, temperature=1.0, seed=seed, ignore_eos=True)
+            t0 = time.perf_counter()
+            plain.generate(prompts, sampling)
+            dts.append(time.perf_counter() - t0)
+        return dts[1] - dts[0], tokens
+    draft.set_speculation(k)
+    draft.engine_rpc("rl_specdec_step_records")
+    draft.generate(prompts, SamplingSettings(max_tokens=SHORT + tokens, temperature=1.0, seed=seed, ignore_eos=True))
+    b = len(prompts)
+    full = [r["period_s"] for r in draft.engine_rpc("rl_specdec_step_records")[0] if _full_step(r, b, k)]
+    if not full:
+        raise RuntimeError(f"no engine step at b={b} with k={k} was recorded; raise --tokens")
+    return sum(full), len(full)
+
+
+def _full_step(r: dict, b: int, k: int) -> bool:
+    """A decode step of all b requests with k drafts each (k=0: a plain step), whose time is known."""
+    kind = r["plain"] if k == 0 else (not r["plain"] and r["k_verify"] == k)
+    return bool(r["period_s"]) and r["b"] == b and r["tokens"] == b * (k + 1) and kind
 
 
 def acceptance(draft, prompts, max_tokens: int, seed: int) -> dict[int, float]:
@@ -127,7 +150,7 @@ def measure(plain, draft, prompts, batches, tokens: int, seeds) -> list[dict]:
     raw: dict[tuple[int, int | None], list[tuple[float, int]]] = {}
     for b in batches:  # warm-up: every batch size once through each engine (torch.compile's shapes)
         timed_call(plain, draft, None, prompts[:b], 4, 0)
-        timed_call(plain, draft, K_MAX, prompts[:b], 4, 0)
+        timed_call(plain, draft, K_MAX, prompts[:b], 16, 0)
     for r, seed in enumerate(seeds):
         for b in batches:
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
@@ -145,7 +168,7 @@ def _name(k: int | None) -> str:
 
 
 def _step(calls: list[tuple[float, int]]) -> float:
-    """Seconds per engine step: the median over rounds of each call's time over its steps."""
+    """Seconds per engine step: the median over rounds of each call's time over its (timed) steps."""
     return statistics.median(dt / steps for dt, steps in calls)
 
 
@@ -210,6 +233,7 @@ def run(args) -> None:
     models = pair_models(args.pair)
     tok = AutoTokenizer.from_pretrained(models.policy)
     prompts = pair_prompts(args.pair, tok, max(batches), seed=1000)
+    importable()
     ray.init(num_cpus=cores + 2, include_dashboard=False, log_to_driver=False)
     pass_s = drafter_pass(models, args.pair, prompts, args.tokens, seeds)
     plain, draft = start(models, args.pair, False), start(models, args.pair, True)

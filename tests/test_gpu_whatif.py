@@ -259,17 +259,17 @@ def test_grpo_prediction_recovers_a_phase_the_model_wrote_and_misses_with_wrong_
 
 
 def test_the_measured_wide_table_fits_within_the_documented_residuals():
-    """docs/performance.md quotes this fit: most cells within 15%, none beyond 20%, the drafter pass (not
-    fitted) within 15%."""
+    """docs/performance.md quotes this fit: 55 of 56 cells within 15%, the one miss (t(128, 4)) within 35%,
+    the drafter pass (not fitted) within 20% (measured 0.71 ms, model 0.59 ms)."""
     from whatif import measured
 
     tables = CAL.load_tables([str(measured.ROOT / p) for p in measured.TABLES])
     theta, prepared, meas, pred = CAL.fit(tables, log=lambda s: None)
     res = np.abs(pred / meas - 1)
-    assert np.sum(res <= CAL.TOLERANCE) >= 50 and res.max() < 0.2
+    assert np.sum(res <= CAL.TOLERANCE) >= 55 and res.max() < 0.35
     dev, pair = CAL.device_of(theta), prepared[0][1]
     drafter_pass = dev.t_pass + dev.t_req_draft + C._fwd(C.Pricer(dev, pair).D, 1.0, 23.0, 23.0, 1.0, max)
-    assert drafter_pass == pytest.approx(tables[0]["drafter_pass_s"], rel=0.15)
+    assert drafter_pass == pytest.approx(tables[0]["drafter_pass_s"], rel=0.2)
 
 
 def test_lengths_rebuilt_from_a_metrics_row_keep_its_count_total_and_max():

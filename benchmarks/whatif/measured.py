@@ -4,8 +4,8 @@ with those constants.
 
 The runs are ``python benchmarks/bench.py --sections grpo --steps 5 --seeds 0,1 --variants "wide base;wide
 k=4;wide schedule;wide threshold;wide adaptive"`` (docs/performance.md, section 11): their metrics.jsonl
-are copied to docs/data/grpo_wide/. No toy-pair t(b, k) table exists in docs/, so the wide pair's is the
-only one fitted.
+are copied to docs/data/grpo_wide/. The toy pair's table (docs/data/cost_table_toy.json) is not in this
+fit: fitted with the wide pair's, one set of constants misses 21 of 112 cells (docs/performance.md section 13).
 """
 
 from __future__ import annotations
