@@ -82,7 +82,7 @@ def setup(cfg: RunConfig) -> GRPORun:
         generation,
         metrics,
         checkpoints,
-        ClippedPGLoss(cfg.grpo.clip_eps, cfg.grpo.kl_coef),
+        ClippedPGLoss(cfg.grpo.clip_eps, cfg.grpo.kl_coef, cfg.grpo.behaviour_is_cap),
         Timer(),
         drafter,
     )
