@@ -136,8 +136,8 @@ class PipelinedSteps:
             self.dropped = True
             self.spans["generation"].append((launched.pending.launched_at, time.perf_counter()))
             logger.warning(
-                "the stop dropped step %d's rollouts, still generating: step %d is checkpointed without a refit "
-                "or validation, and a resumed run generates step %d's rollouts with its weights",
+                "the stop dropped step %d's rollouts, still generating: step %d finishes without a refit or "
+                "validation (its checkpoint records the drop), and a resumed run generates step %d's rollouts",
                 launched.step + 1,
                 launched.step,
                 launched.step + 1,
