@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 
 from rl_specdec.config import precision
-from rl_specdec.config.schema import LOG_LEVELS, PolicyConfig, RunConfig
+from rl_specdec.config.schema import LOG_LEVELS, GRPOConfig, PolicyConfig, RunConfig
 from rl_specdec.config.speculation import validate_speculation
 from rl_specdec.errors import ConfigError
 
@@ -42,6 +43,7 @@ def validate(cfg: RunConfig) -> None:
     if not 0 < g.clip_eps < 1:
         raise ConfigError(f"grpo.clip_eps={g.clip_eps} must be in (0, 1); 0.2 is standard.")
     positive("grpo.kl_coef", g.kl_coef, allow_zero=True)
+    validate_off_policy(g)
     positive("policy.learning_rate", p.learning_rate)
     positive("policy.max_grad_norm", p.max_grad_norm)
     positive("policy.micro_batch_size", p.micro_batch_size)
@@ -91,6 +93,22 @@ def validate(cfg: RunConfig) -> None:
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def validate_off_policy(g: GRPOConfig) -> None:
+    """``grpo.max_staleness`` and ``grpo.behaviour_is_cap``: how far the rollouts may lag, and their weight's cap."""
+    if g.max_staleness not in (0, 1):
+        raise ConfigError(
+            f"grpo.max_staleness={g.max_staleness}: only 0 (generate, then train) and 1 (step t+1's rollouts are "
+            "generated while step t trains) are supported; the engines hold one version of the weights, and a refit "
+            "never happens during a generation. Set grpo.max_staleness=1 or 0."
+        )
+    cap = g.behaviour_is_cap
+    if cap is not None and not (math.isfinite(cap) and cap >= 1):
+        raise ConfigError(
+            f"grpo.behaviour_is_cap={cap}: the cap of the importance weight against the generation log-probs must be "
+            ">= 1 (a cap below 1 would shrink the weight of on-policy tokens too), e.g. 2; null turns it off."
+        )
 
 
 def validate_wandb(w) -> None:

@@ -66,6 +66,12 @@ class GRPOConfig:
     val_every: int = 10  # validation every N steps (0: never)
     val_num_prompts: int = 256
     self_check_prompts: int = 32  # prompts for the start-up sampling self-check (0: skip)
+    # 0: generate, then train, in turn. 1: step t+1's rollouts are generated with the weights before step t's
+    # update while step t trains (one step off-policy; grpo/pipeline.py). Larger values are refused.
+    max_staleness: int = 0
+    # null: off. c >= 1: each token's importance weight against the generation log-probs is truncated at c
+    # (detached), on top of the clipped ratio (grpo/loss.py)
+    behaviour_is_cap: Optional[float] = None
 
 
 @dataclass

@@ -106,8 +106,11 @@ class DrafterUpkeep:
             if self.training.overlap:
                 self.trainer.train(self._batch)
 
-    def after_refit(self, generation: RolloutEngine, timer: Timer) -> dict[str, float]:
-        """Finish the drafter's step and refit it into the engines; its metrics ({} on steps without one)."""
+    def after_refit(self, generation: RolloutEngine | None, timer: Timer) -> dict[str, float]:
+        """Finish the drafter's step and refit it into the engines; its metrics ({} on steps without one).
+
+        ``generation`` None: finish the step but leave the engines as they are (a stop dropped rollouts they are
+        still generating; the checkpoint holds the new drafter, and a resumed run loads it into its engines)."""
         if self._batch is None:
             return {}
         with timer("drafter_wait"):  # the part of the drafter's step on the critical path
@@ -115,8 +118,9 @@ class DrafterUpkeep:
                 self.trainer.train(self._batch)
             result = self.trainer.result()
         self._batch = None
-        with timer("drafter_refit"):
-            generation.update_weights(self.trainer.state_dict_for_refit(), target="drafter")
+        if generation is not None:
+            with timer("drafter_refit"):
+                generation.update_weights(self.trainer.state_dict_for_refit(), target="drafter")
         return {
             "drafter/loss": result["loss"],
             "drafter/kl": result["kl"],

@@ -2,11 +2,14 @@
 
 :func:`train` sets the run up (:mod:`rl_specdec.grpo.run`), logs a step-0 row
 (the start-up sampling check and the untrained policy's held-out accuracy),
-then per step runs :func:`~rl_specdec.grpo.step.grpo_step`, saves a
+then per step runs :func:`~rl_specdec.grpo.step.grpo_step` (with
+``grpo.max_staleness=1``, :class:`~rl_specdec.grpo.pipeline.PipelinedSteps`:
+the next step's rollouts are generated while this one trains), saves a
 checkpoint every ``checkpoint.every`` steps (atomic, with a checksum
 manifest), and logs the step's row to wandb, the console and
 ``metrics.jsonl``. Before anything is generated, the engines hold the
-trainer's weights, so every rollout comes from the weights the trainer holds.
+trainer's weights, so every rollout comes from the weights the trainer holds
+(or, with ``grpo.max_staleness=1``, from those of one update before).
 
 A checkpoint that cannot be written (a full disk) stops the run, or only warns
 with ``checkpoint.on_error=warn``. SIGTERM and SIGINT stop it after the step in
@@ -23,6 +26,7 @@ from typing import Any
 
 from rl_specdec.config import RunConfig
 from rl_specdec.errors import CheckpointWriteFailed
+from rl_specdec.grpo.pipeline import PipelinedSteps, sequential_resume_note
 from rl_specdec.grpo.run import GRPORun, setup
 from rl_specdec.grpo.step import due, evaluate, grpo_step, sampling_check
 from rl_specdec.grpo.stop import StopSignals
@@ -32,12 +36,16 @@ logger = logging.getLogger(__name__)
 
 def save_checkpoint(run: GRPORun, step: int, row: dict[str, Any]) -> None:
     """Atomic checkpoint after ``step`` steps; it carries the step's metric row, so a crash before logging
-    loses nothing."""
+    loses nothing, and with ``grpo.max_staleness=1`` the next step's rollouts (:mod:`rl_specdec.grpo.pipeline`)."""
     state = {"step": step, "data_position": step, "seed": run.cfg.seed, "metrics": row}
+    if run.pipeline is not None:
+        state["pipeline"] = run.pipeline.state(step)
 
     def save(path: str) -> None:
         run.policy.save_checkpoint(str(Path(path) / "policy"))
         run.drafter.save(Path(path))
+        if run.pipeline is not None:
+            run.pipeline.save(Path(path), step)
 
     run.checkpoints.save(step, save, state)
 
@@ -74,6 +82,9 @@ def train(cfg: RunConfig, progress: bool | None = None, resume_command: str | No
         run.stop, stop.checkpoints = stop, run.checkpoints
         record_ray_processes()
         try:
+            run.pipeline = PipelinedSteps(run) if cfg.grpo.max_staleness else None
+            if run.pipeline is None:
+                sequential_resume_note(run)
             last, finished = run_steps(run, show)
             saved = last_checkpoint(run, finished, last) if stop.requested else None
         finally:
@@ -130,10 +141,12 @@ def run_steps(run: GRPORun, show: bool) -> tuple[dict[str, Any], int]:
 def step_and_log(run: GRPORun, step: int) -> dict[str, Any]:
     """One step, its checkpoint when due (or when a stop was asked for), and its row in metrics.jsonl."""
     t0 = time.perf_counter()
-    row = grpo_step(run, step)
+    row = grpo_step(run, step) if run.pipeline is None else run.pipeline.step(step)
     if run.checkpoints and (due(step + 1, run.cfg.checkpoint.every, run.cfg.grpo.max_steps) or run.stop.requested):
         checkpoint_step(run, step + 1, row)
     row["timing/step"] = time.perf_counter() - t0
+    if run.pipeline is not None:
+        row.update(run.pipeline.overlap(t0, t0 + row["timing/step"]))
     run.metrics.log(row, step=step + 1)
     return row
 

@@ -12,6 +12,18 @@ Because each GRPO step takes one optimizer step on fresh rollouts, ratio_t is 1
 up to the numerical gap between the engine and the trainer; the mean of
 |logp_t - logp_gen_t| measures that gap (``logprob_mismatch``). Speculative
 decoding is lossless only if it leaves that gap as small as it is without it.
+Rollouts one step old (``grpo.max_staleness=1``) make ratio_t the importance
+weight of the policy against the behaviour policy that sampled them.
+
+With ``behaviour_is_cap`` c, that weight is truncated at c (truncated importance
+sampling)::
+
+    w_t  = min(ratio_t, c) / ratio_t        (detached: it scales, never steers)
+    pg_t = -w_t * min(ratio_t * A_i, clip(ratio_t, 1 - eps, 1 + eps) * A_i)
+
+so a token the clip keeps gets the gradient -A_i * min(ratio_t, c) * grad logp_t
+instead of -A_i * ratio_t * grad logp_t; the clip still decides which tokens
+get one (docs/grpo.md, "The importance weight's cap").
 
 The function is handed to the policy worker; micro-batch values are divided by
 the *whole* batch's token count (``batch_num_tokens``) so that their sum over
@@ -29,6 +41,7 @@ import torch
 class ClippedPGLoss:
     clip_eps: float = 0.2
     kl_coef: float = 0.0
+    behaviour_is_cap: float | None = None  # truncate the importance weight against the generation log-probs
 
     def __call__(self, logp: torch.Tensor, mb: dict[str, torch.Tensor], ref_logp: torch.Tensor | None):
         mask = mb["loss_mask"]  # [n, T-1]
@@ -37,8 +50,12 @@ class ClippedPGLoss:
         delta = (logp - mb["gen_logprobs"]) * mask  # [n, T-1]
         ratio = torch.exp(delta)  # [n, T-1]
         pg = -torch.min(ratio * adv, torch.clamp(ratio, 1 - self.clip_eps, 1 + self.clip_eps) * adv)  # [n, T-1]
-        per_token = pg
         metrics: dict[str, torch.Tensor] = {}
+        if self.behaviour_is_cap is not None:
+            r = ratio.detach()
+            pg = pg * (torch.clamp(r, max=self.behaviour_is_cap) / r)  # [n, T-1]  truncated IS weight
+            metrics["is_capped_fraction"] = ((r > self.behaviour_is_cap).float() * mask).sum() / denom
+        per_token = pg
         if ref_logp is not None:  # KL to the reference is logged whenever a reference is kept
             d = (ref_logp - logp) * mask
             kl = torch.exp(d) - d - 1  # [n, T-1]

@@ -46,6 +46,7 @@ class GRPORun:
     drafter: DrafterUpkeep
     start_step: int = 0
     stop: StopSignals = field(default_factory=StopSignals)  # SIGTERM/SIGINT: what the loop and the step check
+    pipeline: Any = None  # with grpo.max_staleness=1: the PipelinedSteps (grpo/pipeline.py) that run the steps
 
     def shutdown(self) -> None:
         """Stop the engines, the policy workers and the drafter, in that order, and close the logger."""
@@ -82,7 +83,7 @@ def setup(cfg: RunConfig) -> GRPORun:
         generation,
         metrics,
         checkpoints,
-        ClippedPGLoss(cfg.grpo.clip_eps, cfg.grpo.kl_coef),
+        ClippedPGLoss(cfg.grpo.clip_eps, cfg.grpo.kl_coef, cfg.grpo.behaviour_is_cap),
         Timer(),
         drafter,
     )

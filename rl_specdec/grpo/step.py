@@ -33,6 +33,7 @@ verifies answers.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -116,58 +117,98 @@ def due(step: int, every: int, last: int) -> bool:
 
 def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
     """One GRPO step (0-based ``step``): phases 1-7; returns the step's metrics."""
-    g, timer = run.cfg.grpo, run.timer
-    G = g.num_generations_per_prompt
-
+    timer = run.timer
     with timer("prompts"):  # 1. P problems, each repeated G times (prompt-major)
-        samples = step_prompts(run, step)
-        group_samples = [s for s in samples for _ in range(G)]  # [P*G]
-        prompt_ids = [ids for ids in encode_prompts(run.task, run.tokenizer, samples) for _ in range(G)]  # [P*G]
+        group_samples, prompt_ids, sampling = rollout_request(run, step)
 
     # 2. rollouts; the call's spec-decode counters come with them. A stop asked for meanwhile drops the step
     with timer("generation"), run.stop.abandonable():
-        seed = sampling_seed(run.cfg.seed, step)
-        sampling = SamplingSettings.from_config(run.cfg.policy.generation, seed=seed, logprobs=run.drafter.top_k(step))
         out = run.generation.generate(prompt_ids, sampling)
+    spec = after_rollouts(run, step, prompt_ids, out)  # may start the drafter's step beside the policy's update
+
+    learned = learn(run, group_samples, prompt_ids, out)  # 3-5. rewards, advantages, policy update
+
+    refit(run)  # 6. the engines' target model gets the new weights
+    spec.update(run.drafter.after_refit(run.generation, timer))  # and the drafter, when it trained
+    spec.update(validate_if_due(run, step))  # 7. validation
+    return step_metrics(out, learned, spec, timer.pop())
+
+
+def rollout_request(run: GRPORun, step: int) -> tuple[list[Sample], list[list[int]], SamplingSettings]:
+    """Step ``step``'s P problems each repeated G times (prompt-major, [P*G]), their prompt ids, and the
+    rollouts' sampling settings (the step's seeds; the policy's top-k log-probs when the drafter trains on them)."""
+    G = run.cfg.grpo.num_generations_per_prompt
+    samples = step_prompts(run, step)
+    group_samples = [s for s in samples for _ in range(G)]  # [P*G]
+    prompt_ids = [ids for ids in encode_prompts(run.task, run.tokenizer, samples) for _ in range(G)]  # [P*G]
+    seed = sampling_seed(run.cfg.seed, step)
+    sampling = SamplingSettings.from_config(run.cfg.policy.generation, seed=seed, logprobs=run.drafter.top_k(step))
+    return group_samples, prompt_ids, sampling
+
+
+def after_rollouts(run: GRPORun, step: int, prompt_ids: list[list[int]], out: GenerationOutput) -> dict[str, float]:
+    """The rollouts' ``spec_decode/*`` (their call's own counters), the acceptance canary, run-time k's report;
+    the drafter takes its batch from them (and starts training, with ``overlap``)."""
     spec = compute_spec_decode_metrics(None, out.spec_counters)
     spec.update(run.drafter.check(spec, run.generation))  # the acceptance canary
     spec.update(control_metrics(out.spec_control))  # run-time k: k per bucket, predicted and realised tokens/s
     run.drafter.after_generation(step, prompt_ids, out, run.tokenizer.pad_token_id)  # may overlap the policy's update
+    return spec
 
+
+@dataclass
+class Learned:
+    """What phases 3-5 produced: rewards [N], correct [N], advantages [N], the trained indices, the update's metrics."""
+
+    rewards: torch.Tensor
+    correct: torch.Tensor
+    advantages: torch.Tensor
+    keep: list[int]
+    train_metrics: dict[str, float]
+
+
+def learn(run: GRPORun, group_samples: list[Sample], prompt_ids: list[list[int]], out: GenerationOutput) -> Learned:
+    """Phases 3-5: rewards, group advantages, and one policy update on the samples that carry signal."""
+    g, timer = run.cfg.grpo, run.timer
     with timer("reward"):  # 3. rewards
         rewards, correct = score(run, group_samples, out)  # [P*G], [P*G]
 
-    advantages = group_advantages(rewards, G, g.normalize_std)  # 4. [P*G]
+    advantages = group_advantages(rewards, g.num_generations_per_prompt, g.normalize_std)  # 4. [P*G]
 
     with timer("train"):  # 5. policy update, on the samples that carry signal
         keep = select_for_training(advantages, g.skip_zero_advantage and g.kl_coef == 0)  # indices into [P*G]
         trajectories = [Trajectory.single_turn(prompt_ids[i], out.token_ids[i], out.logprobs[i]) for i in keep]
         batch = build_train_batch(trajectories, advantages[keep], run.tokenizer.pad_token_id)
         train_metrics = run.policy.train_step(batch, run.loss_fn)
+    return Learned(rewards, correct, advantages, keep, train_metrics)
 
-    with timer("refit"):  # 6. the engines' target model gets the new weights, streamed in buckets (verified)
+
+def refit(run: GRPORun) -> None:
+    """Phase 6: the trainer's weights into every engine's target model, streamed in buckets (verified)."""
+    with run.timer("refit"):
         run.generation.update_weights_buckets(run.policy.state_dict_buckets())
-    spec.update(run.drafter.after_refit(run.generation, timer))  # and the drafter, when it trained
-
-    val_metrics = {}
-    if due(step + 1, g.val_every, g.max_steps):  # 7. validation
-        with timer("validation"):
-            val_metrics = evaluate(run)
-    return step_metrics(
-        out, rewards, correct, advantages, len(keep), train_metrics, {**spec, **val_metrics}, timer.pop()
-    )
 
 
-def step_metrics(out, rewards, correct, advantages, num_trained, train_metrics, extra, times) -> dict[str, float]:
+def validate_if_due(run: GRPORun, step: int) -> dict[str, float]:
+    """Phase 7: ``val/*`` every ``grpo.val_every`` steps and at the last one ({} otherwise)."""
+    g = run.cfg.grpo
+    if not due(step + 1, g.val_every, g.max_steps):
+        return {}
+    with run.timer("validation"):
+        return evaluate(run)
+
+
+def step_metrics(out: GenerationOutput, learned: Learned, extra, times) -> dict[str, float]:
     """The flat ``/``-prefixed metric dict of one step."""
     lengths = torch.tensor([len(t) for t in out.token_ids], dtype=torch.float)  # [P*G]
+    rewards, correct, advantages = learned.rewards, learned.correct, learned.advantages
     return {
         "train/reward_mean": rewards.mean().item(),
         "train/reward_std": rewards.std(unbiased=False).item(),
         "train/accuracy": correct.mean().item(),
         "train/zero_advantage_fraction": (advantages == 0).float().mean().item(),
-        "train/num_samples": float(num_trained),
-        **{f"train/{k}": v for k, v in train_metrics.items() if k != "step_time_s"},
+        "train/num_samples": float(len(learned.keep)),
+        **{f"train/{k}": v for k, v in learned.train_metrics.items() if k != "step_time_s"},
         "generation/num_tokens": lengths.sum().item(),
         "generation/tokens_per_s": lengths.sum().item() / max(times["timing/generation"], 1e-9),
         "generation/response_length_mean": lengths.mean().item(),

@@ -20,10 +20,11 @@ from typing import Any
 
 
 class Timer:
-    """Collects ``timing/<phase>`` seconds for one step."""
+    """Collects ``timing/<phase>`` seconds for one step, and when each phase ran (:attr:`spans`)."""
 
     def __init__(self):
         self.times: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []  # (phase, start, end) on time.perf_counter's clock
 
     @contextmanager
     def __call__(self, phase: str):
@@ -31,10 +32,12 @@ class Timer:
         try:
             yield
         finally:
-            self.times[f"timing/{phase}"] = self.times.get(f"timing/{phase}", 0.0) + time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.times[f"timing/{phase}"] = self.times.get(f"timing/{phase}", 0.0) + t1 - t0
+            self.spans.append((phase, t0, t1))
 
     def pop(self) -> dict[str, float]:
-        out, self.times = self.times, {}
+        out, self.times, self.spans = self.times, {}, []
         return out
 
 

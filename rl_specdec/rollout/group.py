@@ -32,6 +32,7 @@ from rl_specdec.config.serving import ServerConfig, check_reasoning_parser
 from rl_specdec.errors import GenerationEngineDied, SamplingSelfCheckFailed
 from rl_specdec.rollout import engine_settings, weights
 from rl_specdec.rollout.interfaces import GenerationOutput, SamplingSettings
+from rl_specdec.rollout.pending import PendingGeneration
 from rl_specdec.rollout.placement import (
     assign_cpu_binds,
     cluster_has_gpus,
@@ -141,10 +142,14 @@ class VllmGeneration:
 
     # ---- RolloutEngine ----------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> GenerationOutput:
+        return self.submit(prompt_token_ids, sampling).result()
+
+    def submit(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> PendingGeneration:
+        """Start :meth:`generate` on every engine and return at once; ``.result()`` collects its output."""
         refs = [
             w.generate.remote(prompt_token_ids[s], sampling, s.start) for w, s in self._shards(len(prompt_token_ids))
         ]
-        return GenerationOutput.concat(self._get(refs), with_top=sampling.logprobs > 0)
+        return PendingGeneration(refs, sampling.logprobs > 0, self._get)
 
     def check_sampling(
         self,

@@ -117,6 +117,10 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> GenerationOutput: ...
 
+    def submit(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> Any:
+        """Start ``generate`` and return at once: a handle with ``done()`` and ``result()`` (the output)."""
+        ...
+
     def check_sampling(
         self, prompt_token_ids: list[list[int]], max_tokens: int, top_k: int = 5, seed: int = 0
     ) -> CalibrationReport:
