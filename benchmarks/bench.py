@@ -827,6 +827,7 @@ def main(argv=None) -> int:
         if OVERLAP_VARIANTS & set(stats):
             dirs = {n: {sd: run_dir(out, n, sd) for sd in per} for n, per in runs.items()}
             emit("Overlap: max_staleness 0 against 1", overlap_runs.overlap_table(stats, per_seed, runs, dirs))
+            emit("Overlap, modelled per device split (docs/scaling.md)", overlap_runs.split_table(stats))
 
     if "staleness" in sections:
         series = {}
