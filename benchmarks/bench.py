@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 import drafter_life  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
+import overlap_runs
 import peer_trl  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
 import precision_runs
 import rollout
@@ -158,6 +159,8 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     "grpo_spec drafter light": ("configs/grpo_spec.yaml", drafter_life.LIGHT),
     # fp32 against bf16-mixed (bf16 compute over fp32 master weights, bf16 engines): benchmarks/precision_runs.py
     **precision_runs.VARIANTS,
+    # grpo.max_staleness 0 against 1 (rollouts overlapping training), both tasks: benchmarks/overlap_runs.py
+    **overlap_runs.VARIANTS,
 }
 QUICK_VARIANTS = ["grpo_base", "draft adaptive", "longtail base", "longtail adaptive"]
 QUICK_SECTIONS = ("rollout", "grpo")  # --quick: staleness and peer only when asked for (--sections)
@@ -166,6 +169,8 @@ TRAINER_VARIANTS = {"grpo_spec policy 2x"}  # change the trainer, not the rollou
 DRAFTER_VARIANTS = {"grpo_spec drafter online", "grpo_spec drafter light"}
 # another precision changes the train phase and the rollouts: compared with their own baseline, kept out of the verdicts
 PRECISION_VARIANTS = set(precision_runs.VARIANTS)
+# overlap changes when each phase runs: compared within its pair, kept out of the pooling and the verdicts
+OVERLAP_VARIANTS = set(overlap_runs.VARIANTS)
 # what every benchmark run changes: its own log folder, no wandb, no checkpoints, no bar
 COMMON = ["logger.wandb.enabled=false", "checkpoint.enabled=false", "logger.progress_bar=false"]
 # --quick: skip what only costs start-up time (the sampling self-check, validation, torch.compile)
@@ -311,14 +316,14 @@ def pool_train_time(stats: dict[str, dict]) -> None:
             for n in stats
             if ("2x1" in n) == two
             and family(n) == fam
-            and n not in TRAINER_VARIANTS | DRAFTER_VARIANTS | PRECISION_VARIANTS
+            and n not in TRAINER_VARIANTS | DRAFTER_VARIANTS | PRECISION_VARIANTS | OVERLAP_VARIANTS
         ]
         if group:
             pooled = statistics.fmean(stats[n]["train_s"] for n in group)
             for n in group:
                 stats[n]["step_pooled_s"] = stats[n]["step_mean_s"] - stats[n]["train_s"] + pooled
     # their train phase is what they change: pooled only with itself
-    for n in (TRAINER_VARIANTS | DRAFTER_VARIANTS | PRECISION_VARIANTS) & set(stats):
+    for n in (TRAINER_VARIANTS | DRAFTER_VARIANTS | PRECISION_VARIANTS | OVERLAP_VARIANTS) & set(stats):
         stats[n]["step_pooled_s"] = stats[n]["step_mean_s"]
 
 
@@ -335,6 +340,8 @@ def family(name: str) -> str:
 
 def baseline_of(name: str) -> str:
     """The variant a variant is compared with: same task, same engine layout, no speculation."""
+    if name in OVERLAP_VARIANTS:
+        return overlap_runs.baseline(name)
     if family(name):
         return f"{family(name)} base"
     if name in PRECISION_VARIANTS:  # the same precision without speculation
@@ -446,7 +453,7 @@ def verdict_text(stats: dict[str, dict]) -> str:
     spec = {
         n: s
         for n, s in stats.items()
-        if s.get("speculation", "none") != "none" and n not in TRAINER_VARIANTS | PRECISION_VARIANTS
+        if s.get("speculation", "none") != "none" and n not in TRAINER_VARIANTS | PRECISION_VARIANTS | OVERLAP_VARIANTS
     }
     out = []
     groups = (
@@ -817,6 +824,10 @@ def main(argv=None) -> int:
         if PRECISION_VARIANTS & set(stats):
             dirs = {n: {sd: run_dir(out, n, sd) for sd in per} for n, per in runs.items()}
             emit("Precision: fp32 against bf16-mixed", precision_runs.precision_table(stats, per_seed, dirs))
+        if OVERLAP_VARIANTS & set(stats):
+            dirs = {n: {sd: run_dir(out, n, sd) for sd in per} for n, per in runs.items()}
+            emit("Overlap: max_staleness 0 against 1", overlap_runs.overlap_table(stats, per_seed, runs, dirs))
+            emit("Overlap, modelled per device split (docs/scaling.md)", overlap_runs.split_table(stats))
 
     if "staleness" in sections:
         series = {}

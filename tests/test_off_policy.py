@@ -208,3 +208,37 @@ def test_a_real_interrupt_while_waiting_is_not_a_drop():
 
     with pytest.raises(KeyboardInterrupt):
         wait_or_drop(Interrupted(1.0), StopSignals(60.0))
+
+
+@pytest.mark.parametrize(
+    "overrides, cores, warns",
+    [
+        ([], 2, True),  # as shipped: the engine binds both cores, the trainer wants both
+        (["policy.generation.cpus_per_engine=1", "policy.num_threads=1"], 2, False),  # the split
+        (["policy.generation.cpus_per_engine=1"], 2, True),  # the trainer still takes both cores
+        (["policy.generation.cpus_per_engine=2", "policy.num_threads=2"], 4, False),
+        (["policy.num_workers=2", "policy.generation.cpus_per_engine=2", "policy.num_threads=1"], 4, False),
+        (["policy.num_workers=2", "policy.generation.cpus_per_engine=2"], 4, True),  # 2 x 2 threads + 2 cores
+    ],
+)
+def test_an_overlap_on_shared_cores_is_named_with_the_fix(overrides, cores, warns):
+    from rl_specdec.grpo.pipeline import shared_cores
+
+    cfg = load_config(SPEC, ["grpo.max_staleness=1", "policy.device=cpu", *overrides], resolve_models=False)
+    why = shared_cores(cfg, cores)
+    assert (why is not None) == warns, why
+    if warns:
+        assert f"this host's {cores} cores" in why and "policy.num_threads=1" in why and "cpus_per_engine=" in why
+        fixed = load_config(
+            SPEC, ["policy.device=cpu", *why.split("e.g. ")[1].split(", or")[0].split()], resolve_models=False
+        )
+        assert shared_cores(fixed, cores) is None, "the suggested fix still shares the cores"
+
+
+def test_an_overlap_on_gpus_is_not_checked_for_cores():
+    from rl_specdec.grpo.pipeline import shared_cores
+
+    cfg = load_config(SPEC, ["grpo.max_staleness=1", "policy.device=cpu"], resolve_models=False)
+    assert shared_cores(cfg, 2) is not None
+    cfg.policy.device = "cuda"  # as loaded on a GPU host: the engines take GPUs, not the trainer's cores
+    assert shared_cores(cfg, 2) is None

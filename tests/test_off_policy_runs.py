@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,47 @@ def test_a_checkpoint_mid_pipeline_resumes_exactly(pipelined, tmp_path, monkeypa
     for x, y in zip(a, b):
         assert y["generation/num_tokens"] == x["generation/num_tokens"], x["step"]
         assert y["train/reward_mean"] == pytest.approx(x["train/reward_mean"], abs=1e-6)
+        assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-3, abs=1e-6)
+        assert y["train/staleness"] == x["train/staleness"]
+    wa, wb = (
+        load_file(str(next((d / "checkpoints/step_000004/policy/model").glob("*.safetensors"))))
+        for d in (pipelined, tmp_path)
+    )
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+def test_sigterm_mid_pipeline_keeps_the_rollouts_in_flight_and_resumes_exactly(pipelined, tmp_path):
+    """SIGTERM to a real run_grpo.py process while step 3 trains, with step 4's rollouts generating beside it:
+    step 3 finishes and is checkpointed with those rollouts (exit 143, nothing left running); the printed
+    resume trains on them, and every row and the final weights are the uninterrupted run's."""
+    from safetensors.torch import load_file
+    from test_stops import Run, paused, stop_line
+
+    from rl_specdec.grpo.checkpoint import verify
+    from rl_specdec.grpo.rollouts import load_rollouts
+
+    hooked = [sys.executable, str(ROOT / "tests/run_grpo_hooked.py"), "--config", "configs/grpo_spec.yaml"]
+    run = Run([*hooked, *RUN, f"logger.log_dir={tmp_path}"], {"RL_SPECDEC_TEST_PAUSE": "train:3:4"})
+    try:
+        run.wait_for(paused(tmp_path))
+        run.signal(signal.SIGTERM)
+        assert run.finish() == 143, run.output
+        assert run.leftovers() == []
+    finally:
+        run.kill()  # what is left when the test failed while it ran
+    line = stop_line(run, "stopped by SIGTERM")
+    ckpt = tmp_path / "checkpoints/step_000003"
+    assert line.startswith(f"stopped by SIGTERM after step 3: checkpoint {ckpt}; resume with: "), line
+    assert verify(ckpt) is None and _state(ckpt)["pipeline"]["dropped"] is False
+    ro = load_rollouts(ckpt)  # step 4's, generated with W_2 while step 3 trained
+    assert ro is not None and ro.step == 3 and set(ro.versions) == {2}
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3]
+
+    _train(tmp_path, "resume=true")
+    a, b = _rows(pipelined), _rows(tmp_path)
+    assert [r["step"] for r in b] == [1, 2, 3, 4], "a gap or a duplicate step in metrics.jsonl"
+    for x, y in zip(a, b):
+        assert y["generation/num_tokens"] == x["generation/num_tokens"], x["step"]
         assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-3, abs=1e-6)
         assert y["train/staleness"] == x["train/staleness"]
     wa, wb = (

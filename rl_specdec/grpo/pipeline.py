@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rl_specdec.config import RunConfig
 from rl_specdec.grpo.rollouts import (
     ROLLOUTS_FILE,
     Rollouts,
@@ -78,6 +80,8 @@ class PipelinedSteps:
         self.spans: dict[str, list[tuple[float, float]]] = {"generation": [], "train": []}
         if run.start_step and run.checkpoints is not None:
             self.ready = resumed_rollouts(run.checkpoints.path(run.start_step), run.start_step)
+        if run.cfg.cluster.address is None and (why := shared_cores(run.cfg, len(os.sched_getaffinity(0)))):
+            logger.warning(why)
 
     def step(self, step: int) -> dict[str, float]:
         run, timer = self.run, self.run.timer
@@ -161,6 +165,26 @@ class PipelinedSteps:
         """The next step's rollouts into a checkpoint being written (after ``step`` steps), when there are any."""
         if self.ready is not None and self.ready.step == step:
             save_rollouts(folder, self.ready)
+
+
+def shared_cores(cfg: RunConfig, cores: int) -> str | None:
+    """Why one step off-policy will not overlap on this host, or None: CPU engines bind their OpenMP threads to
+    ``num_engines x cpus_per_engine`` cores, and the trainer's threads beside them must not need those cores too."""
+    p, gen = cfg.policy, cfg.policy.generation
+    if p.device != "cpu":
+        return None
+    engine = gen.num_engines * gen.cpus_per_engine
+    trainer = (p.num_threads or max(1, cores // p.num_workers)) * p.num_workers
+    if engine + trainer <= cores:
+        return None
+    return (
+        f"grpo.max_staleness=1 generates while the policy trains, but the engines' {engine} cores "
+        f"(policy.generation.num_engines x cpus_per_engine) and the trainer's {trainer} threads (policy.num_threads "
+        f"x num_workers) need more than this host's {cores} cores: each side will slow the other down (several "
+        "times on a 2-core CPU; docs/performance.md, section 14). Split the cores, e.g. "
+        f"policy.generation.cpus_per_engine={max(1, (cores - p.num_workers) // gen.num_engines)} "
+        f"policy.num_threads=1, or set grpo.max_staleness=0"
+    )
 
 
 def resumed_rollouts(folder: Path, step: int) -> Rollouts | None:
