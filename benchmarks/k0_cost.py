@@ -11,6 +11,16 @@ per call, its ratio to no speculation, and the median of the per-round paired
 ratios::
 
     python benchmarks/k0_cost.py --batch 128 --rounds 9 --seeds 0,1
+
+``--like-default`` builds the engines from configs/grpo_spec.yaml through ``load_config``, as the default
+run does (precision auto, so bfloat16 on a CPU with native bf16; compiled; prefix caching), and makes the
+default run's generate calls (its task's 64 problems each repeated 8 times, 40 tokens, temperature 1, the
+step's seeds). Its engines: no speculation; k=0 everywhere through the fast path (mode fixed, then
+``set_speculation(0)``); the fast path with ``[[1,1,3],[2,1024,0]]``; and the shipped default (k=3). It also
+prints where each call's time goes (median ms per call: driver, actor, vLLM's ``LLM.generate``, the
+engine steps and their parts; benchmarks/engine_parts.py)::
+
+    python benchmarks/k0_cost.py --like-default --rounds 7 --seeds 0,1
 """
 
 from __future__ import annotations
@@ -22,8 +32,25 @@ import sys
 import time
 from pathlib import Path
 
+import engine_parts
 from rollout import cores_and_load, log, task_prompts
+from step_records import importable
 
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO / "configs" / "grpo_spec.yaml"
+SPEC = "policy.generation.vllm_kwargs.speculative_config"
+CONTROL = "policy.generation.speculation_control"
+# --like-default: name -> (overrides of configs/grpo_spec.yaml, loaded as a run loads it; k set after start).
+# A schedule of k=0 alone is refused at load, so "k=0 everywhere" is mode fixed with set_speculation(0).
+LIKE_DEFAULT = {
+    "no speculation": ([f"{SPEC}=null", f"{CONTROL}.mode=off"], None),
+    "k=0 everywhere, fast path": ([f"{CONTROL}.mode=fixed"], 0),
+    "fast path, k=3 at 1 request": (
+        [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,1,3],[2,1024,0]]"],
+        None,
+    ),
+    "shipped default (k=3)": ([], None),
+}
 SCHEDULE = [[1, 1, 3], [2, 1024, 0]]
 ENGINES = {  # name -> (speculative_config or None, speculation_control mode)
     "no speculation": (None, "off"),
@@ -52,21 +79,70 @@ def start(models, spec: dict | None, mode: str):
     return VllmGeneration(str(models.policy), cfg)
 
 
-def measure(engines: dict, tok, batch: int, rounds: int, seed: int, max_tokens: int) -> dict[str, list[float]]:
-    """{engine: [seconds per call]}, one call per engine per round, engines in rotating order."""
+def start_like_default(overrides: list[str], k: int | None):
+    """An engine group built from configs/grpo_spec.yaml as a run builds it (precision auto, compiled,
+    prefix caching), whose actors time the parts of each call (engine_parts)."""
+    from rl_specdec.config import load_config
+
+    cfg = load_config(DEFAULT_CONFIG, overrides)
+    group = engine_parts.engine_group()(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
+    if k is not None:
+        group.set_speculation(k)
+    return group
+
+
+def default_calls(seed: int):
+    """Round r's call as the default run's step r+2 makes it (rl_specdec.grpo.step.rollout_request): the
+    task's P problems each repeated G times, the step's seeds, the generation settings, no top-k log-probs."""
+    from transformers import AutoTokenizer
+
+    from rl_specdec.config import load_config
+    from rl_specdec.grpo.step import prompt_seed, sampling_seed
+    from rl_specdec.rollout import SamplingSettings
+    from rl_specdec.tasks import encode_prompts, make_task
+
+    cfg = load_config(DEFAULT_CONFIG)
+    task, tok = make_task(cfg.task.name, **cfg.task.kwargs), AutoTokenizer.from_pretrained(cfg.policy.model_name)
+    P, G = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
+
+    def call(r: int):
+        step = r + 2
+        samples = task.make_batch(seed=prompt_seed(seed, step), n=P)
+        prompts = [ids for ids in encode_prompts(task, tok, samples) for _ in range(G)]  # [P*G], prompt-major
+        gen = cfg.policy.generation
+        return prompts, SamplingSettings.from_config(gen, seed=sampling_seed(seed, step), logprobs=0)
+
+    return call
+
+
+def toy_calls(tok, batch: int, seed: int, max_tokens: int):
+    """Round r's call: ``batch`` sorting prompts of 4 to 24 digits, temperature 1."""
     from rl_specdec.rollout import SamplingSettings
 
+    def call(r: int):
+        prompts = task_prompts(tok, batch, seed=1000 * seed + r + 2)
+        return prompts, SamplingSettings(max_tokens=max_tokens, temperature=1.0, seed=seed * 1000 + r)
+
+    return call
+
+
+def measure(engines: dict, call, rounds: int, parts: dict | None = None) -> dict[str, list[float]]:
+    """{engine: [seconds per call]}, one call per engine per round, engines in rotating order; with ``parts``,
+    each timed call's part times (engine_parts) are appended to ``parts[engine]``."""
     names = list(engines)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(-2, rounds):  # two warm-up rounds
-        prompts = task_prompts(tok, batch, seed=1000 * seed + r + 2)
-        sampling = SamplingSettings(max_tokens=max_tokens, temperature=1.0, seed=seed * 1000 + r)
+        prompts, sampling = call(r)
         order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
             t0 = time.perf_counter()
             engines[n].generate(prompts, sampling)
+            dt = time.perf_counter() - t0
+            got = engine_parts.parts(engines[n]) if parts is not None else {}
             if r >= 0:
-                times[n].append(time.perf_counter() - t0)
+                times[n].append(dt)
+                if parts is not None:
+                    parts.setdefault(n, []).append({**got, "driver call": dt})
     return times
 
 
@@ -87,12 +163,55 @@ def table(per_seed: dict[int, dict[str, list[float]]]) -> str:
     return "\n".join(lines)
 
 
+def _get(p: dict, key: str) -> float:
+    return p.get(key, 0.0)
+
+
+# parts table rows: label -> seconds (or a count) of one call, from its engine_parts dict
+PART_ROWS = {
+    "driver: the generate call": lambda p: _get(p, "driver call"),
+    "driver outside the actor (Ray, gather)": lambda p: _get(p, "driver call") - _get(p, "actor generate"),
+    "actor: generate": lambda p: _get(p, "actor generate"),
+    "actor after LLM.generate (results, counters, RPCs)": lambda p: _get(p, "actor generate") - _get(p, "LLM.generate"),
+    "of which run-time k's report RPC": lambda p: _get(p, "rpc rl_specdec_spec_report"),
+    "LLM.generate": lambda p: _get(p, "LLM.generate"),
+    "outside engine steps (add requests, outputs)": lambda p: (
+        _get(p, "LLM.generate") - _get(p, "step_fn") - _get(p, "post_step")
+    ),
+    "engine steps (EngineCore.step)": lambda p: _get(p, "step_fn"),
+    "schedule": lambda p: _get(p, "schedule"),
+    "execute_model": lambda p: _get(p, "execute_model"),
+    "sample_tokens": lambda p: _get(p, "sample_tokens"),
+    "update_from_output": lambda p: _get(p, "update_from_output"),
+    "post_step (draft hand-off)": lambda p: _get(p, "post_step"),
+}
+
+
+def parts_table(parts: dict[str, list[dict]]) -> str:
+    """Median over timed calls (both seeds) of each part, ms per call; then steps per call and ms per step."""
+    names = list(parts)
+    lines = ["| ms per call (median) | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for label, fn in PART_ROWS.items():
+        vals = [statistics.median(fn(p) for p in parts[n]) * 1e3 for n in names]
+        lines.append(f"| {label} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
+    steps = [statistics.median(_get(p, "steps") for p in parts[n]) for n in names]
+    per_step = [statistics.median(_get(p, "step_fn") / max(_get(p, "steps"), 1) for p in parts[n]) for n in names]
+    lines.append("| engine steps per call | " + " | ".join(f"{v:.0f}" for v in steps) + " |")
+    lines.append("| ms per engine step | " + " | ".join(f"{v * 1e3:.2f}" for v in per_step) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--rounds", type=int, default=9, help="timed calls per engine and seed (after 2 warm-up rounds)")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument(
+        "--like-default",
+        action="store_true",
+        help="engines and calls as configs/grpo_spec.yaml's run makes them (ignores --batch and --max-tokens)",
+    )
     p.add_argument("--out", default="results/k0_cost")
     args = p.parse_args(argv)
     import ray
@@ -100,29 +219,33 @@ def main(argv=None) -> int:
     from rl_specdec.toy.build import build_tokenizer, build_toy_models
 
     cores, load = cores_and_load()
-    log(
-        f"k=0 cost: batch {args.batch}, {args.max_tokens} tokens at temperature 1, {args.rounds} rounds per seed; "
-        f"{cores} cores, load average at start {load:.2f}"
-    )
+    what = "the default run's calls" if args.like_default else f"batch {args.batch}, {args.max_tokens} tokens"
+    log(f"k=0 cost: {what} at temperature 1, {args.rounds} rounds per seed; {cores} cores, load average {load:.2f}")
     models, tok = build_toy_models(log=log), build_tokenizer()
+    specs = LIKE_DEFAULT if args.like_default else ENGINES
+    importable()  # engine_parts, for the actors
     # engines side by side, one runs at a time
-    ray.init(num_cpus=2 * len(ENGINES), include_dashboard=False, log_to_driver=False)
-    engines = {}
+    ray.init(num_cpus=2 * len(specs), include_dashboard=False, log_to_driver=False)
+    engines, parts = {}, ({} if args.like_default else None)
     try:
-        for n, (spec, mode) in ENGINES.items():
-            engines[n] = start(models, spec, mode)
+        for n, spec in specs.items():
+            engines[n] = start_like_default(*spec) if args.like_default else start(models, *spec)
             log(f"  started {n}")
-        per_seed = {
-            int(sd): measure(engines, tok, args.batch, args.rounds, int(sd), args.max_tokens)
-            for sd in args.seeds.split(",")
-        }
+        per_seed = {}
+        for sd in map(int, args.seeds.split(",")):
+            call = default_calls(sd) if args.like_default else toy_calls(tok, args.batch, sd, args.max_tokens)
+            per_seed[sd] = measure(engines, call, args.rounds, parts)
     finally:
         for g in engines.values():
             g.shutdown()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "k0_cost.json").write_text(json.dumps({"load": load, "batch": args.batch, "times": per_seed}, indent=1))
+    raw = {"load": load, "like_default": args.like_default, "batch": args.batch, "times": per_seed, "parts": parts}
+    (out / "k0_cost.json").write_text(json.dumps(raw, indent=1))
     print(table(per_seed))
+    if parts:
+        print()
+        print(parts_table(parts))
     return 0
 
 
