@@ -212,6 +212,14 @@ def main(argv=None) -> int:
         action="store_true",
         help="engines and calls as configs/grpo_spec.yaml's run makes them (ignores --batch and --max-tokens)",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --like-default: a config override for every engine (repeatable), "
+        "e.g. policy.generation.vllm_kwargs.enforce_eager=true",
+    )
     p.add_argument("--out", default="results/k0_cost")
     args = p.parse_args(argv)
     import ray
@@ -229,7 +237,10 @@ def main(argv=None) -> int:
     engines, parts = {}, ({} if args.like_default else None)
     try:
         for n, spec in specs.items():
-            engines[n] = start_like_default(*spec) if args.like_default else start(models, *spec)
+            if args.like_default:
+                engines[n] = start_like_default([*args.set, *spec[0]], spec[1])
+            else:
+                engines[n] = start(models, *spec)
             log(f"  started {n}")
         per_seed = {}
         for sd in map(int, args.seeds.split(",")):
