@@ -242,3 +242,12 @@ def test_an_overlap_on_gpus_is_not_checked_for_cores():
     assert shared_cores(cfg, 2) is not None
     cfg.policy.device = "cuda"  # as loaded on a GPU host: the engines take GPUs, not the trainer's cores
     assert shared_cores(cfg, 2) is None
+
+
+def test_host_cores_is_the_affinity_mask_where_there_is_one(monkeypatch):
+    from rl_specdec.grpo import pipeline
+
+    if hasattr(os, "sched_getaffinity"):
+        assert pipeline.host_cores() == len(os.sched_getaffinity(0))
+        monkeypatch.delattr(os, "sched_getaffinity")  # as on macOS
+    assert pipeline.host_cores() == (os.cpu_count() or 1)

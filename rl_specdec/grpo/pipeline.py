@@ -80,7 +80,7 @@ class PipelinedSteps:
         self.spans: dict[str, list[tuple[float, float]]] = {"generation": [], "train": []}
         if run.start_step and run.checkpoints is not None:
             self.ready = resumed_rollouts(run.checkpoints.path(run.start_step), run.start_step)
-        if run.cfg.cluster.address is None and (why := shared_cores(run.cfg, len(os.sched_getaffinity(0)))):
+        if run.cfg.cluster.address is None and (why := shared_cores(run.cfg, host_cores())):
             logger.warning(why)
 
     def step(self, step: int) -> dict[str, float]:
@@ -165,6 +165,11 @@ class PipelinedSteps:
         """The next step's rollouts into a checkpoint being written (after ``step`` steps), when there are any."""
         if self.ready is not None and self.ready.step == step:
             save_rollouts(folder, self.ready)
+
+
+def host_cores() -> int:
+    """Cores this process may run on: its affinity mask where the OS has one, else the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def shared_cores(cfg: RunConfig, cores: int) -> str | None:
