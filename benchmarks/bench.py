@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 import drafter_life  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
+import length_pool
 import overlap_runs
 import peer_trl  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
 import precision_runs
@@ -120,6 +121,13 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     "wide threshold": (
         "configs/grpo_spec_wide.yaml",
         [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,5],[17,1024,0]]"],
+    ),
+    "wide schedule corrected": (  # the best k of the corrected cost table per batch size (docs/performance.md 11)
+        "configs/grpo_spec_wide.yaml",
+        [
+            f"{CONTROL}.mode=off",
+            f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,2,5],[3,4,4],[5,16,2],[17,1024,0]]",
+        ],
     ),
     "wide adaptive": ("configs/grpo_spec_wide.yaml", []),
     "ngram k=3": (
@@ -261,6 +269,7 @@ def step_stats(rows: list[dict]) -> dict:
         "reward_last": statistics.fmean(r["train/reward_mean"] for r in rows[-max(1, len(rows) // 10) :]),
         "acceptance_length": _mean_or_none(rs, "spec_decode/acceptance_length"),
         "acceptance_rate": _mean_or_none(rs, "spec_decode/acceptance_rate"),
+        **length_pool.per_run(rs),
     }
     for p in PHASES:
         out[f"{p}_s"] = mean(f"timing/{p}")
@@ -815,6 +824,8 @@ def main(argv=None) -> int:
         emit(f"GRPO step time ({steps} steps, default run{seed_note})", grpo_table(stats), "grpo_steps.png")
         emit("Per-phase share of step time", phase_table(stats))
         emit("The long tail (mean over steps)", tail_table(stats), "long_tail.png")
+        if pooled := length_pool.length_pooled_table(stats, family, baseline_of):
+            emit("Sampled tails: generation per token of the longest rollout", pooled)
         if "grpo_base" in stats:
             verdict = verdict_text(stats)
             results["grpo"]["verdict"] = verdict

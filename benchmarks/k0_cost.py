@@ -21,6 +21,12 @@ prints where each call's time goes (median ms per call: driver, actor, vLLM's ``
 engine steps and their parts; benchmarks/engine_parts.py)::
 
     python benchmarks/k0_cost.py --like-default --rounds 7 --seeds 0,1
+
+``--engines`` picks the --like-default engines by name (";"-separated), among them a second engine without
+speculation (the spread between two processes that run the same code) and the controller::
+
+    python benchmarks/k0_cost.py --like-default --rounds 7 --seeds 0,1 --engines \
+        "no speculation;no speculation, a second engine;k=0 everywhere, fast path;the controller (adaptive, k <= 4)"
 """
 
 from __future__ import annotations
@@ -50,7 +56,12 @@ LIKE_DEFAULT = {
         None,
     ),
     "shipped default (k=3)": ([], None),
+    # the control: a second engine without speculation, so the spread between two processes running the
+    # same code shows beside the floor (--engines)
+    "no speculation, a second engine": ([f"{SPEC}=null", f"{CONTROL}.mode=off"], None),
+    "the controller (adaptive, k <= 4)": ([f"{CONTROL}.mode=adaptive", f"{CONTROL}.k_max=4"], None),
 }
+LIKE_DEFAULT_SHOWN = list(LIKE_DEFAULT)[:4]  # the default --engines
 SCHEDULE = [[1, 1, 3], [2, 1024, 0]]
 ENGINES = {  # name -> (speculative_config or None, speculation_control mode)
     "no speculation": (None, "off"),
@@ -220,8 +231,19 @@ def main(argv=None) -> int:
         help="with --like-default: a config override for every engine (repeatable), "
         "e.g. policy.generation.vllm_kwargs.enforce_eager=true",
     )
+    p.add_argument(
+        "--engines",
+        default=";".join(LIKE_DEFAULT_SHOWN),
+        help=f"with --like-default: the engines, ';'-separated, from: {'; '.join(LIKE_DEFAULT)}",
+    )
     p.add_argument("--out", default="results/k0_cost")
     args = p.parse_args(argv)
+    chosen = [n.strip() for n in args.engines.split(";") if n.strip()]
+    for n in chosen:
+        if n not in LIKE_DEFAULT:
+            p.error(f"--engines: unknown engine {n!r}; choose from {'; '.join(LIKE_DEFAULT)}")
+    if "no speculation" not in chosen:
+        p.error("--engines: include 'no speculation', the reference of every ratio")
     import ray
 
     from rl_specdec.toy.build import build_tokenizer, build_toy_models
@@ -230,7 +252,7 @@ def main(argv=None) -> int:
     what = "the default run's calls" if args.like_default else f"batch {args.batch}, {args.max_tokens} tokens"
     log(f"k=0 cost: {what} at temperature 1, {args.rounds} rounds per seed; {cores} cores, load average {load:.2f}")
     models, tok = build_toy_models(log=log), build_tokenizer()
-    specs = LIKE_DEFAULT if args.like_default else ENGINES
+    specs = {n: LIKE_DEFAULT[n] for n in chosen} if args.like_default else ENGINES
     importable()  # engine_parts, for the actors
     # engines side by side, one runs at a time
     ray.init(num_cpus=2 * len(specs), include_dashboard=False, log_to_driver=False)
