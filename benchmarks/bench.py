@@ -821,7 +821,8 @@ def main(argv=None) -> int:
         plot_grpo(first, stats, out / "grpo_steps.png")
         plot_tail(first, stats, out / "long_tail.png")
         seed_note = f", mean of seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f", seed {seeds[0]}"
-        emit(f"GRPO step time ({steps} steps, default run{seed_note})", grpo_table(stats), "grpo_steps.png")
+        configs = ", ".join(sorted({Path(GRPO_VARIANTS[n][0]).name for n in stats}))
+        emit(f"GRPO step time ({steps} steps, {configs}{seed_note})", grpo_table(stats), "grpo_steps.png")
         emit("Per-phase share of step time", phase_table(stats))
         emit("The long tail (mean over steps)", tail_table(stats), "long_tail.png")
         if pooled := length_pool.length_pooled_table(stats, family, baseline_of):

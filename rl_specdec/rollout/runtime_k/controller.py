@@ -36,7 +36,14 @@ another is ``SWITCH_GAIN`` better. Decisions start at k=0, without the warm-up's
 has seen k=0 and two k>0 (one if cap is 1).
 
 **How it explores.** Until ready it warms up (unless ``explore`` is 0): every
-step belongs to a burst of the k seen least, over every bucket. Then a step in
+step belongs to a burst of the k seen least, over every bucket. Then a bucket
+at k=0 starts a burst at its next step (:meth:`Controller.unproven`) of the
+k>0 the model rates best there, if no k>0 has been measured there yet, or if
+that k is rated ``min_gain`` above k=0 and has not been measured there for
+``MIN_MEASURED`` steps: the model is fitted where the steps were (the
+warm-up's at the first call's batch), the gate above needs a measurement in
+the bucket, and a bucket visited a few steps a call would otherwise wait many
+calls for a random draw. Otherwise a step in
 bucket j starts a burst of ``explore_steps`` steps with probability ``explore /
 explore_steps``, at a k drawn from k=0 and the k rated within
 ``EXPLORE_WITHIN`` of the bucket's best (a burst up from k=0 costs a catch-up),
@@ -248,6 +255,11 @@ class Controller:
         ready, explore = self.cost.ready(self.cap), self.config.explore
         if self.cap == 0 or explore == 0:
             return
+        if ready and self.budget > 0 and self.choice[j] == 0:
+            k = self.unproven(j)
+            if k is not None:  # the model says this k pays here and no step has checked it: check it now
+                self.burst = [j, k, self.config.explore_steps]
+                return
         if ready and (self.budget <= 0 or self.rng.random() >= explore / max(self.config.explore_steps, 1)):
             return
         if ready and self.choice[j] == 0 and not self.could_win(j):
@@ -264,6 +276,19 @@ class Controller:
         else:
             k = min(range(self.cap + 1), key=lambda k: (self.cost.seen(k), self.rng.random()))
             self.burst = [None, k, self.config.explore_steps]
+
+    def unproven(self, j: int) -> int | None:
+        """The k>0 to measure in bucket j now: the one the model rates best there, if no k>0 has been measured
+        there yet (its verdict, fitted at other batch sizes, is trusted only once checked in the bucket), or if
+        it beats k=0 there by ``min_gain`` and has not been measured there (None otherwise, and before a fit)."""
+        rates = self.rates[j] if self.cost.theta is not None else None
+        if not rates or len(rates) < 2:
+            return None
+        k = max(range(1, len(rates)), key=rates.__getitem__)
+        steps = [self.measured.get((j, kk), (0, 0, 0))[2] for kk in range(len(rates))]
+        if max(steps[1:]) < MIN_MEASURED:
+            return k
+        return k if rates[k] > rates[0] * (1.0 + self.config.min_gain) and steps[k] < MIN_MEASURED else None
 
     def could_win(self, j: int) -> bool:
         """Whether, by the cost model, some k>0 could beat k=0 by ``min_gain`` in bucket j if acceptance were
