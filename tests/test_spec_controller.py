@@ -182,9 +182,10 @@ def _drafting_buckets(calls: int) -> int:
 
 
 def test_a_k_the_model_says_pays_is_measured_at_once(monkeypatch):
-    """Where the fitted model rates a k>0 above k=0 and no step has measured it in the bucket, the bucket's
-    next step starts a burst of it, without waiting for a random draw: 3 calls from k=0 are enough for the
-    cheap table's buckets to draft. Negative control: without it (random bursts only) most still do not."""
+    """A bucket at k=0 where no k>0 has been measured, or where the model rates an unmeasured k>0 above k=0,
+    starts a burst of the model's best k>0 at its next step, without waiting for a random draw: 3 calls from
+    k=0 are enough for the cheap table's buckets to draft. Negative control: without it (random bursts only)
+    most still do not."""
     assert _drafting_buckets(3) >= 15  # of 21
     monkeypatch.setattr(Controller, "unproven", lambda self, j: None)
     assert _drafting_buckets(3) <= 8

@@ -238,9 +238,7 @@ class Controller:
             rates = self.rates[j] = self.predicted_rates(j)
             if rates is None:
                 continue
-            measured = [
-                rates[k] for k in range(1, len(rates)) if self.measured.get((j, k), (0, 0, 0))[2] >= MIN_MEASURED
-            ]
+            measured = [rates[k] for k in range(1, len(rates)) if self.steps_measured(j, k) >= MIN_MEASURED]
             best = max(range(len(rates)), key=rates.__getitem__)
             if max(measured, default=0.0) <= rates[0] * (1.0 + self.config.min_gain):
                 best = 0  # speculate only where a measured k>0 pays by a margin: never lose to k=0
@@ -257,7 +255,7 @@ class Controller:
             return
         if ready and self.budget > 0 and self.choice[j] == 0:
             k = self.unproven(j)
-            if k is not None:  # the model says this k pays here and no step has checked it: check it now
+            if k is not None:  # the model's verdict on this k has not been checked in this bucket: check it now
                 self.burst = [j, k, self.config.explore_steps]
                 return
         if ready and (self.budget <= 0 or self.rng.random() >= explore / max(self.config.explore_steps, 1)):
@@ -285,10 +283,14 @@ class Controller:
         if not rates or len(rates) < 2:
             return None
         k = max(range(1, len(rates)), key=rates.__getitem__)
-        steps = [self.measured.get((j, kk), (0, 0, 0))[2] for kk in range(len(rates))]
-        if max(steps[1:]) < MIN_MEASURED:
+        if all(self.steps_measured(j, kk) < MIN_MEASURED for kk in range(1, len(rates))):
             return k
-        return k if rates[k] > rates[0] * (1.0 + self.config.min_gain) and steps[k] < MIN_MEASURED else None
+        pays = rates[k] > rates[0] * (1.0 + self.config.min_gain)
+        return k if pays and self.steps_measured(j, k) < MIN_MEASURED else None
+
+    def steps_measured(self, j: int, k: int) -> float:
+        """The decayed steps of bucket j's cell at k (0 if none)."""
+        return self.measured.get((j, k), (0.0, 0.0, 0.0))[2]
 
     def could_win(self, j: int) -> bool:
         """Whether, by the cost model, some k>0 could beat k=0 by ``min_gain`` in bucket j if acceptance were
