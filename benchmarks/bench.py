@@ -206,7 +206,7 @@ def load_rows(log_dir: Path) -> list[dict]:
 
 def spec_label(config: str, overrides: list[str]) -> str:
     """What a variant speculates with, read from its effective config: "none",
-    "draft_model k=3", "draft_model k by batch 1-16:5 17-64:3 65-1024:2", ..."""
+    "draft_model k=3", "draft_model k by batch 1-16:5 17-64:3 65-1024:2", "draft_model, the controller (k in 0..3)"."""
     from rl_specdec.config import load_config
 
     cfg = load_config(REPO / config, overrides, resolve_models=False)
@@ -215,6 +215,9 @@ def spec_label(config: str, overrides: list[str]) -> str:
         return "none"
     sched = sc.get("num_speculative_tokens_per_batch_size")
     k = sc.get("num_speculative_tokens", sc.get("prompt_lookup_max"))
+    control = cfg.policy.generation.speculation_control
+    if control.mode == "adaptive":  # the controller: k per batch-size bucket, measured
+        return f"{sc['method']}, the controller (k in 0..{control.k_max or k})"
     if sched:
         return f"{sc['method']} k by batch " + " ".join(f"{lo}-{hi}:{kk}" for lo, hi, kk in sched)
     return f"{sc['method']} k={k}"
