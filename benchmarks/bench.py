@@ -67,20 +67,27 @@ SECTIONS = ("rollout", "grpo", "staleness", "peer")
 # grpo_spec.yaml / grpo_base.yaml only in these keys.
 GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     "grpo_base": ("configs/grpo_base.yaml", []),
-    "grpo_spec": ("configs/grpo_spec.yaml", []),
-    "draft k=1": ("configs/grpo_spec.yaml", [f"{SPEC}.num_speculative_tokens=1"]),
-    "draft k=2": ("configs/grpo_spec.yaml", [f"{SPEC}.num_speculative_tokens=2"]),
-    "draft k=5": ("configs/grpo_spec.yaml", [f"{SPEC}.num_speculative_tokens=5"]),
+    "grpo_spec": ("configs/grpo_spec.yaml", []),  # as shipped: the controller (speculation_control.mode=auto)
+    # vLLM's own k (speculation_control off): the earlier default (k=3), other k, schedules
+    "draft k=3": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=off"]),
+    "draft k=1": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=1"]),
+    "draft k=2": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=2"]),
+    "draft k=5": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=5"]),
     "draft schedule": (
         "configs/grpo_spec.yaml",
         [
+            f"{CONTROL}.mode=off",
             f"{SPEC}.num_speculative_tokens=5",
             f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,5],[17,64,3],[65,1024,2]]",
         ],
     ),
     "draft tail-only": (
         "configs/grpo_spec.yaml",
-        [f"{SPEC}.num_speculative_tokens=3", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,3],[17,1024,0]]"],
+        [
+            f"{CONTROL}.mode=off",
+            f"{SPEC}.num_speculative_tokens=3",
+            f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,3],[17,1024,0]]",
+        ],
     ),
     # run-time k (issue 14): k=0 through the fast path, and the adaptive controller (k in 0..4 per batch-size bucket)
     "draft k=0 fast path": (
@@ -199,7 +206,7 @@ def load_rows(log_dir: Path) -> list[dict]:
 
 def spec_label(config: str, overrides: list[str]) -> str:
     """What a variant speculates with, read from its effective config: "none",
-    "draft_model k=3", "draft_model k by batch 1-16:5 17-64:3 65-1024:2", ..."""
+    "draft_model k=3", "draft_model k by batch 1-16:5 17-64:3 65-1024:2", "draft_model, the controller (k in 0..3)"."""
     from rl_specdec.config import load_config
 
     cfg = load_config(REPO / config, overrides, resolve_models=False)
@@ -208,6 +215,9 @@ def spec_label(config: str, overrides: list[str]) -> str:
         return "none"
     sched = sc.get("num_speculative_tokens_per_batch_size")
     k = sc.get("num_speculative_tokens", sc.get("prompt_lookup_max"))
+    control = cfg.policy.generation.speculation_control
+    if control.mode == "adaptive":  # the controller: k per batch-size bucket, measured
+        return f"{sc['method']}, the controller (k in 0..{control.k_max or k})"
     if sched:
         return f"{sc['method']} k by batch " + " ".join(f"{lo}-{hi}:{kk}" for lo, hi, kk in sched)
     return f"{sc['method']} k={k}"

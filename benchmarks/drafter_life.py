@@ -4,8 +4,9 @@ The ``staleness`` section of ``bench.py``: three GRPO runs of the default
 config on the same seed, which differ only in the drafter:
 
 frozen
-    ``configs/grpo_spec.yaml`` as shipped: the toy drafter, distilled from the
-    initial policy, never refit.
+    ``configs/grpo_spec.yaml`` at vLLM's fixed k=3 (``speculation_control``
+    off, so every step drafts): the toy drafter, distilled from the initial
+    policy, never refit.
 online
     the same, with ``policy.generation.drafter_training.enabled=true``: after
     every step the drafter is distilled on that step's rollouts against the
@@ -30,11 +31,12 @@ SPEC = "policy.generation.vllm_kwargs.speculative_config"
 ONLINE = "policy.generation.drafter_training.enabled=true"
 # online training at a bounded cost: every 2nd step, on 16 of the step's 128 rollouts (1/16 of the work)
 LIGHT = [ONLINE, "policy.generation.drafter_training.every=2", "policy.generation.drafter_training.max_sequences=16"]
+FIXED = ["policy.generation.speculation_control.mode=off"]  # vLLM's k=3 at every step: acceptance is measured
 RUNS: dict[str, tuple[str, list[str]]] = {
-    "frozen": ("configs/grpo_spec.yaml", []),
-    "online": ("configs/grpo_spec.yaml", [ONLINE]),
-    "online light": ("configs/grpo_spec.yaml", LIGHT),
-    "cold start": ("configs/grpo_spec.yaml", [ONLINE, f"{SPEC}.model=toy:drafter-untrained"]),
+    "frozen": ("configs/grpo_spec.yaml", FIXED),
+    "online": ("configs/grpo_spec.yaml", FIXED + [ONLINE]),
+    "online light": ("configs/grpo_spec.yaml", FIXED + LIGHT),
+    "cold start": ("configs/grpo_spec.yaml", FIXED + [ONLINE, f"{SPEC}.model=toy:drafter-untrained"]),
 }
 COLD_GOAL = 2.5  # acceptance length the cold start should reach within 50 steps
 

@@ -16,7 +16,7 @@ ratios::
 run does (precision auto, so bfloat16 on a CPU with native bf16; compiled; prefix caching), and makes the
 default run's generate calls (its task's 64 problems each repeated 8 times, 40 tokens, temperature 1, the
 step's seeds). Its engines: no speculation; k=0 everywhere through the fast path (mode fixed, then
-``set_speculation(0)``); the fast path with ``[[1,1,3],[2,1024,0]]``; and the shipped default (k=3). It also
+``set_speculation(0)``); the fast path with ``[[1,1,3],[2,1024,0]]``; and the earlier default (vLLM's k=3). It also
 prints where each call's time goes (median ms per call: driver, actor, vLLM's ``LLM.generate``, the
 engine steps and their parts; benchmarks/engine_parts.py)::
 
@@ -55,7 +55,7 @@ LIKE_DEFAULT = {
         [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,1,3],[2,1024,0]]"],
         None,
     ),
-    "shipped default (k=3)": ([], None),
+    "the earlier default (k=3)": ([f"{CONTROL}.mode=off"], None),
     # the control: a second engine without speculation, so the spread between two processes running the
     # same code shows beside the floor (--engines)
     "no speculation, a second engine": ([f"{SPEC}=null", f"{CONTROL}.mode=off"], None),

@@ -246,7 +246,7 @@ def test_defaults_inheritance_and_interpolation(tmp_path):
         ),
         (["policy.generation.acceptance_canary.action=ignore"], "acceptance_canary.action"),
         (["policy.generation.acceptance_canary.min_ratio=1.5"], "acceptance_canary.min_ratio"),
-        (["policy.generation.speculation_control.mode=auto"], "speculation_control.mode"),
+        (["policy.generation.speculation_control.mode=always"], "speculation_control.mode"),
         (
             [
                 "policy.generation.speculation_control.mode=adaptive",
@@ -313,6 +313,24 @@ def test_speculation_control_off_survives_yaml():
     assert load_config(base, resolve_models=False).policy.generation.speculation_control.mode == "off"
     cfg = load_config(SPEC, ["policy.generation.speculation_control.mode=off"], resolve_models=False)
     assert cfg.policy.generation.speculation_control.mode == "off"
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "policy.generation.vllm_kwargs.speculative_config=null",
+        "policy.generation.vllm_kwargs.speculative_config.method=ngram",
+        "policy.generation.vllm_kwargs.async_scheduling=true",
+    ],
+)
+def test_auto_is_the_controller_where_it_can_run_and_off_elsewhere(edit):
+    """The default's ``mode: auto`` runs the controller on its draft_model engine, and gives way to vLLM's own k
+    where run-time k cannot run, so switching speculation stays one key; ``adaptive`` asked for there is an error."""
+    mode = "policy.generation.speculation_control.mode"
+    assert load_config(SPEC, resolve_models=False).policy.generation.speculation_control.mode == "adaptive"
+    assert load_config(SPEC, [edit], resolve_models=False).policy.generation.speculation_control.mode == "off"
+    with pytest.raises(ConfigError, match="speculation_control.mode=adaptive"):
+        load_config(SPEC, [edit, f"{mode}=adaptive"], resolve_models=False)
 
 
 def test_bad_files(tmp_path):

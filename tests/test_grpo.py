@@ -25,6 +25,9 @@ SMALL = [
     "policy.generation.vllm_kwargs.enforce_eager=true",  # skip torch.compile: the tests need no speed
     # fp32, where on-policy means fp32 rounding (bf16-mixed's floor is ~2e-3: tests/test_precision.py)
     "policy.precision=fp32",
+    # vLLM's fixed k=3, not the default's controller: every step drafts, so every spec_decode key and the
+    # acceptance canary have drafts to read (the controller has its own runs: tests/test_spec_control.py)
+    "policy.generation.speculation_control.mode=off",
 ]
 
 # Every key a step must log (spec_decode per-position keys are checked separately).

@@ -31,6 +31,7 @@ RUN = [
     "policy.generation.max_new_tokens=28",
     "policy.generation.vllm_kwargs.enforce_eager=true",
     "policy.generation.vllm_kwargs.speculative_config=null",
+    "policy.generation.speculation_control.mode=off",  # where a test sets speculation back: vLLM's fixed k
     "policy.precision=fp32",
     "logger.progress_bar=false",
     "logger.wandb.enabled=false",

@@ -44,7 +44,9 @@ class CanaryConfig:
 class SpeculationControlConfig:
     """k chosen while the engine runs: see rl_specdec.rollout.runtime_k.engine_args (draft_model only)."""
 
-    mode: str = "off"  # off (vLLM's own k or schedule) | fixed (k settable at run time) | adaptive (the controller)
+    # off (vLLM's own k or schedule) | fixed (k settable at run time) | adaptive (the controller) |
+    # auto (adaptive where run-time k can run: draft_model, a UniProc executor, no async scheduling; else off)
+    mode: str = "off"
     k_max: Optional[int] = None  # the most k may be; default: speculative_config.num_speculative_tokens
     k0_fast_path: bool = True  # k=0 steps skip the drafter (catch-up later); false: vLLM's own path (slower, correct)
     buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # batch-size bucket lower bounds

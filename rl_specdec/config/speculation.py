@@ -14,7 +14,7 @@ from rl_specdec.errors import ConfigError
 
 KEY = "policy.generation"
 CONTROL_KEY = f"{KEY}.speculation_control"
-CONTROL_MODES = ("off", "fixed", "adaptive")
+CONTROL_MODES = ("off", "fixed", "adaptive", "auto")
 
 # What a method switch starts from (``speculative_config.method=ngram`` on the command line:
 # rl_specdec.config.layers). A method with a drafter still needs ``model``; MTP reads the policy's own layers.
@@ -96,15 +96,22 @@ def validate_drafter_training(gen: GenerationConfig) -> None:
 
 
 def validate_speculation_control(gen: GenerationConfig) -> None:
-    """Run-time k: its numbers, and an engine it can run in (draft_model, a UniProc executor, no async scheduling)."""
+    """Run-time k: its numbers, and an engine it can run in (draft_model, a UniProc executor, no async scheduling).
+
+    ``auto`` resolves here: ``adaptive`` where run-time k can run, else ``off`` (vLLM's own k), so that
+    switching speculation off or to another method stays one key."""
     c = gen.speculation_control
     if str(c.mode).lower() == "false":  # YAML 1.1 reads a bare `off` as false
         c.mode = "off"
     if c.mode not in CONTROL_MODES:
         raise ConfigError(f"{CONTROL_KEY}.mode={c.mode!r} must be one of {', '.join(CONTROL_MODES)}.")
+    if c.mode == "auto":
+        c.mode = "off" if _control_engine_problem(gen) else "adaptive"
     if c.mode == "off":
         return
-    _check_control_engine(gen)
+    problem = _control_engine_problem(gen)
+    if problem:
+        raise ConfigError(problem)
     _check_control_numbers(c, configured_k(gen.vllm_kwargs["speculative_config"]))
 
 
@@ -135,28 +142,30 @@ def _check_control_numbers(c: SpeculationControlConfig, k: int) -> None:
             raise ConfigError(f"{key}.{name}={getattr(c, name)} must be >= {low}.")
 
 
-def _check_control_engine(gen: GenerationConfig) -> None:
+def _control_engine_problem(gen: GenerationConfig) -> str | None:
+    """Why run-time k cannot run in this engine (the error, with its fix), or None."""
     kw, mode, key = gen.vllm_kwargs, gen.speculation_control.mode, CONTROL_KEY
     spec = kw.get("speculative_config")
     if spec is None:
-        raise ConfigError(
+        return (
             f"{key}.mode={mode} needs speculation: set {KEY}.vllm_kwargs.speculative_config (method: draft_model), "
             "or mode=off."
         )
     if spec.get("method") != "draft_model":
-        raise ConfigError(
+        return (
             f"{key}.mode={mode} with speculative_config.method={spec.get('method')!r}: run-time k, its k=0 fast path "
             "and the drafter catch-up are built for draft_model only. Use method: draft_model, or mode=off."
         )
     if kw.get("async_scheduling"):
-        raise ConfigError(
+        return (
             f"{key}.mode={mode} cannot run with vllm_kwargs.async_scheduling=true (its scheduler is the synchronous "
             "one); set async_scheduling=false or mode=off."
         )
     multi = int(kw.get("tensor_parallel_size") or 1) * int(kw.get("pipeline_parallel_size") or 1) > 1
     if multi or kw.get("distributed_executor_backend") not in (None, "uni"):
-        raise ConfigError(
+        return (
             f"{key}.mode={mode} needs the engine's worker in the engine core's process (a UniProc executor): remove "
             "tensor_parallel_size/pipeline_parallel_size/distributed_executor_backend from vllm_kwargs, or set "
             "mode=off."
         )
+    return None
