@@ -311,3 +311,18 @@ def test_a_calls_first_step_counts_for_no_k():
     assert ctl.measured == {}
     ctl.observe(StepRecord(continuing=True, **rec))  # the same step inside a call: a switch up into k=2
     assert list(ctl.measured) == [(ctl.bucket(100), 2)]
+
+
+def test_a_step_that_admits_requests_counts_for_its_k():
+    """In the bulk of a call requests finish and waiting ones are prefilled in the same steps, more often the
+    faster a k emits: such a step at k=3 is k=3's cost (k=0 keeps its own), though a third of its requests
+    verified nothing. Control: a step that switches between two k>0 counts for neither."""
+    s = settings()
+    ctl = controller(s, 3)
+    j = ctl.bucket(240)
+    # 160 decoding requests verified 3 drafts each, 80 were admitted (drafts / b = 2)
+    mixed = dict(b=240, tokens=160 * 4 + 80 * 20, drafts=160 * 3, k_verify=3, plain=False, continuing=True)
+    ctl.observe(StepRecord(k_next=3, ctx=9000, emitted=160 * 3 + 80, period_s=0.3, **mixed))
+    assert list(ctl.measured) == [(j, 3)]
+    ctl.observe(StepRecord(k_next=2, ctx=9000, emitted=160 * 3 + 80, period_s=0.3, **mixed))  # 3 -> 2: neither
+    assert ctl.measured[(j, 3)][2] == 1.0 and (j, 2) not in ctl.measured

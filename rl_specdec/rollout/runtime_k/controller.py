@@ -179,7 +179,9 @@ class Controller:
         """Add the step to its (bucket, k) cell (module docstring): each k pays its own costs, earns its kept tokens."""
         if not rec.continuing:
             return  # a call's first step emits one token per request whatever k: it would favour the k not in use
-        kv = round(rec.drafts / rec.b) if rec.drafts else 0
+        # the drafts a request verified: not drafts / b, which requests admitted (prefilled) in the step lower,
+        # and which would drop a k>0's steps with prefills, its dearest, while k=0 keeps all of its own
+        kv = rec.k_verify if rec.drafts else 0
         k = rec.k_next if kv in (0, rec.k_next) else kv if rec.k_next == 0 else None
         if k is None:
             return
