@@ -105,11 +105,11 @@ def validate_speculation_control(gen: GenerationConfig) -> None:
         c.mode = "off"
     if c.mode not in CONTROL_MODES:
         raise ConfigError(f"{CONTROL_KEY}.mode={c.mode!r} must be one of {', '.join(CONTROL_MODES)}.")
+    problem = _control_engine_problem(gen) if c.mode != "off" else None
     if c.mode == "auto":
-        c.mode = "off" if _control_engine_problem(gen) else "adaptive"
+        c.mode = "off" if problem else "adaptive"
     if c.mode == "off":
         return
-    problem = _control_engine_problem(gen)
     if problem:
         raise ConfigError(problem)
     _check_control_numbers(c, configured_k(gen.vllm_kwargs["speculative_config"]))
