@@ -40,6 +40,11 @@ def parse_args(argv=None):
         "--devices", default="H100,H200,A100,L40S,H20", help="comma-separated (GB200 is added for the anchors)"
     )
     g.add_argument("--pairs", default=",".join(W.GPU_PAIRS))
+    g.add_argument(
+        "--gpu-measured",
+        metavar="JSON",
+        help="a benchmarks/gpu_torch.py measurement: add its GPU with the kernel constants fitted to it",
+    )
     g.add_argument("--batch", type=int, default=128, help="sequences per engine in one GRPO step")
     g.add_argument("--prompt-len", type=int, default=256)
     g.add_argument("--length-median", type=float, default=1000.0)
@@ -110,6 +115,12 @@ def lengths_of(args) -> tuple[np.ndarray, list, str]:
 def gpu_report(args) -> None:
     t0 = time.perf_counter()
     devices = [H.by_name(n) for n in args.devices.split(",")]
+    if args.gpu_measured:
+        import json
+
+        from whatif.gpu_report import measured_device
+
+        devices.append(measured_device(json.load(open(args.gpu_measured))))
     pairs = pairs_of(args)
     lengths, warm, src = lengths_of(args)
     setup = Setup(

@@ -309,3 +309,38 @@ def test_the_script_runs_end_to_end_small(tmp_path, capsys):
     assert "Where speculation loses" in out and "H20" in out and (tmp_path / "speedup_vs_batch.png").exists()
     gpu_whatif.main(["--calibrate", FIXTURE, "--out", str(tmp_path)])
     assert json.load(open(tmp_path / "cpu_constants.json"))["t_step"] > 0
+
+
+# ---- a GPU measurement (benchmarks/gpu_torch.py) against the model -----------------------------------
+
+
+def test_the_gpu_fit_recovers_the_constants_that_made_the_passes():
+    """Passes priced by the model with known constants are fitted back to them; the assumed H200 misses the same
+    passes (the negative control: a fit that returned the datasheet device would fail here)."""
+    from dataclasses import asdict
+
+    from whatif import gpu_report as G
+
+    truth = replace(H.H200, eta_bw=0.9, eta_flops=0.55, t_layer=50e-6, **G.HOST_FREE)
+    rows = []
+    for role, shape in (("target", M.QWEN3_8B), ("drafter", M.QWEN3_06B)):
+        for b in (1, 8, 64, 256):
+            for k in (0, 3, 5):
+                n = b * (k + 1)
+                r = dict(role=role, model=shape.name, b=b, k=k, tokens=n, ctx=1024, logits=n if role == "target" else b)
+                rows.append(dict(r, seconds=G.predicted(truth, shape, r)))
+    data = dict(
+        machine=dict(name="NVIDIA H200", device="cuda"),
+        shapes={s.name: asdict(s) for s in (M.QWEN3_8B, M.QWEN3_06B)},
+        decode=rows,
+        args=dict(ctx=1024),
+    )
+    dev = G.measured_device(data)
+    assert (dev.eta_bw, dev.t_layer, dev.eta_flops) == pytest.approx((0.9, 50e-6, 0.55), rel=1e-6)
+    assert dev.name == "H200 (kernels measured)" and dev.t_step == H.H200.t_step  # host constants stay assumed
+    fitted, assumed = replace(dev, **G.HOST_FREE), replace(H.H200, **G.HOST_FREE)
+    for r in rows:
+        shape = G.shape_of(data, r["model"])
+        assert G.predicted(fitted, shape, r) == pytest.approx(r["seconds"], rel=1e-6)
+    misses = [r["seconds"] / G.predicted(assumed, G.shape_of(data, r["model"]), r) for r in rows]
+    assert max(misses) > 1.5  # the drafter's batch-1 pass, where the per-layer floor dominates
