@@ -6,7 +6,7 @@ model predicts for the same passes (docs/performance.md, section 13).
 The models are random-initialised at their config.json shapes (benchmarks/whatif/models.py): nothing is
 downloaded, and neither time nor memory depends on the weights' values.
 
-    python benchmarks/gpu_torch.py --out results/gpu                 # on a GPU (about 3 min on an H200)
+    python benchmarks/gpu_torch.py --out results/gpu                 # on a GPU: under 2 min on an H200
     python benchmarks/gpu_torch.py --report results/gpu/gpu_torch.json   # anywhere: the tables against the model
     python benchmarks/gpu_torch.py --smoke --out /tmp/gpu_smoke      # CPU: tiny shapes through the same code
 
