@@ -130,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             f"nothing to do: the checkpoint in {cfg.logger.log_dir} is already at grpo.max_steps={cfg.grpo.max_steps}"
         )
         return 0
+    held_out = f", held-out accuracy {last['val/accuracy']:.3f}" if last.get("val/accuracy") is not None else ""
     print(
-        f"done in {time.time() - t0:.0f}s: reward {last['train/reward_mean']:.3f} accuracy "
-        f"{last['train/accuracy']:.3f}; "
+        f"done in {time.time() - t0:.0f}s: train reward {last['train/reward_mean']:.3f}, train accuracy "
+        f"{last['train/accuracy']:.3f}{held_out}; "
         f"metrics in {cfg.logger.log_dir}/metrics.jsonl (plot: python -m rl_specdec.plot {cfg.logger.log_dir})"
     )
     return 0
