@@ -51,6 +51,7 @@ from pathlib import Path
 
 import drafter_life  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
 import length_pool
+import lockstep
 import overlap_runs
 import peer_trl  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
 import precision_runs
@@ -223,6 +224,35 @@ def spec_label(config: str, overrides: list[str]) -> str:
     return f"{sc['method']} k={k}"
 
 
+def grpo_command(
+    name: str, config: str, overrides: list[str], steps: int, out: Path, quick: bool, seed: int
+) -> tuple[list[str], Path, dict]:
+    """A run's command line, its log folder and its key (its arguments and the config file's sha256)."""
+    log_dir = run_dir(out, name, seed)
+    args = [config, f"grpo.max_steps={steps}", f"seed={seed}", *COMMON, *(QUICK if quick else []), *overrides]
+    # the config's content is part of the key: editing the YAML must not reuse old runs
+    key = {"args": args, "config_sha256": hashlib.sha256((REPO / config).read_bytes()).hexdigest()}
+    script = str(REPO / "examples/run_grpo.py")
+    cmd = [sys.executable, script, "--config", str(REPO / config), f"logger.log_dir={log_dir}", *args[1:]]
+    return cmd, log_dir, key
+
+
+def reusable(log_dir: Path, key: dict) -> bool:
+    done = log_dir / "done.json"
+    return done.exists() and {k: json.loads(done.read_text()).get(k) for k in key} == key
+
+
+def finished_run(name: str, log_dir: Path, key: dict, rc: int, t0: float) -> list[dict]:
+    """A run's rows once its process ended with ``rc``; records ``done.json``, or raises with its log's tail."""
+    if rc != 0:
+        tail = (log_dir / "run.log").read_text().splitlines()[-15:]
+        raise RuntimeError(f"GRPO run {name!r} failed (rc={rc}); last lines of {log_dir}/run.log:\n" + "\n".join(tail))
+    rows = load_rows(log_dir)
+    (log_dir / "done.json").write_text(json.dumps({**key, "seconds": round(time.time() - t0, 1)}))
+    log(f"  {name}: done in {time.time() - t0:.0f}s, median step {step_stats(rows)['step_s']:.2f}s")
+    return rows
+
+
 def run_grpo(
     name: str, config: str, overrides: list[str], steps: int, out: Path, quick: bool, seed: int, resume: bool = False
 ) -> list[dict]:
@@ -231,36 +261,37 @@ def run_grpo(
     A finished run leaves ``done.json`` (its arguments and the config file's sha256); with
     ``resume`` a run whose ``done.json`` matches both is read back instead of run again.
     """
-    log_dir = run_dir(out, name, seed)
-    args = [config, f"grpo.max_steps={steps}", f"seed={seed}", *COMMON, *(QUICK if quick else []), *overrides]
-    done = log_dir / "done.json"
-    # the config's content is part of the key: editing the YAML must not reuse old runs
-    key = {"args": args, "config_sha256": hashlib.sha256((REPO / config).read_bytes()).hexdigest()}
-    if resume and done.exists() and {k: json.loads(done.read_text()).get(k) for k in key} == key:
-        rows = load_rows(log_dir)
+    cmd, log_dir, key = grpo_command(name, config, overrides, steps, out, quick, seed)
+    if resume and reusable(log_dir, key):
         log(f"  {name}: reusing the finished run in {log_dir} (--resume)")
-        return rows
-    done.unlink(missing_ok=True)
-    cmd = [
-        sys.executable,
-        str(REPO / "examples/run_grpo.py"),
-        "--config",
-        str(REPO / config),
-        f"logger.log_dir={log_dir}",
-        *args[1:],
-    ]
+        return load_rows(log_dir)
+    (log_dir / "done.json").unlink(missing_ok=True)
     log(f"  {name}, seed {seed}: {steps} steps (log: {log_dir}/run.log)")
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(log_dir / "run.log", "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
-    if rc != 0:
-        tail = (log_dir / "run.log").read_text().splitlines()[-15:]
-        raise RuntimeError(f"GRPO run {name!r} failed (rc={rc}); last lines of {log_dir}/run.log:\n" + "\n".join(tail))
-    rows = load_rows(log_dir)
-    done.write_text(json.dumps({**key, "seconds": round(time.time() - t0, 1)}))
-    log(f"  {name}: done in {time.time() - t0:.0f}s, median step {step_stats(rows)['step_s']:.2f}s")
-    return rows
+    return finished_run(name, log_dir, key, rc, t0)
+
+
+def run_grpo_lockstep(names: list[str], steps: int, out: Path, quick: bool, seed: int) -> dict[str, list[dict] | str]:
+    """A seed's variants as one ring (``benchmarks/lockstep.py``): they take turns step by step. Returns each
+    variant's rows, or the error of one that failed."""
+    jobs = {n: grpo_command(n, *GRPO_VARIANTS[n], steps, out, quick, seed) for n in names}
+    for _, log_dir, _ in jobs.values():
+        (log_dir / "done.json").unlink(missing_ok=True)
+    log(f"  seed {seed}: {', '.join(names)} in lockstep, {steps} steps (logs: {out}/runs/seed{seed}/*/run.log)")
+    t0 = time.time()
+    rcs = lockstep.run_together(
+        [c for c, _, _ in jobs.values()], [d / "run.log" for _, d, _ in jobs.values()], out / "baton" / str(seed), log
+    )
+    result: dict[str, list[dict] | str] = {}
+    for (n, (_, log_dir, key)), rc in zip(jobs.items(), rcs):
+        try:
+            result[n] = finished_run(n, log_dir, key, rc, t0)
+        except (RuntimeError, FileNotFoundError) as e:
+            result[n] = str(e)
+    return result
 
 
 def step_stats(rows: list[dict]) -> dict:
@@ -705,6 +736,12 @@ def main(argv=None) -> int:
         "(an interrupted benchmark picks up where it stopped)",
     )
     p.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="run a seed's GRPO variants together, taking turns step by step, so that the machine's drift "
+        "falls on each alike (benchmarks/lockstep.py; not for max_staleness=1 variants)",
+    )
+    p.add_argument(
         "--seeds",
         default="0",
         help="comma-separated seeds; every GRPO variant runs once per seed and the tables give the mean and each seed "
@@ -740,6 +777,8 @@ def main(argv=None) -> int:
     for n in names:
         if n not in GRPO_VARIANTS:
             p.error(f"--variants: unknown variant {n!r}; choose from {'; '.join(GRPO_VARIANTS)}")
+    if args.lockstep and (bad := OVERLAP_VARIANTS & set(names)):
+        p.error(f"--lockstep: {', '.join(sorted(bad))} generate beside training, outside the baton; run without it")
     if ("peer" in sections or "staleness" in sections) and "grpo" not in sections:
         # the rows peer and cost compare against
         names = [
@@ -805,6 +844,15 @@ def main(argv=None) -> int:
     if "grpo" in sections:
         log(f"[grpo] {len(names)} variants x {len(seeds)} seed(s) x {steps} steps")
         jobs = [(sd, n) for sd in seeds for n in names]  # seed-major: a stopped benchmark has whole seeds
+        if args.lockstep and not args.report_only:
+            for sd in seeds:
+                for n, got in run_grpo_lockstep(names, steps, out, args.quick, sd).items():
+                    if isinstance(got, str):
+                        log(f"  SKIPPED {n}, seed {sd}: {got}")
+                        results.setdefault("failed", {})[f"{n}, seed {sd}"] = got
+                    else:
+                        runs.setdefault(n, {})[sd] = got
+            jobs = []
         for i, (sd, n) in enumerate(jobs, 1):
             log(f"[grpo {i}/{len(jobs)}]")
             config, overrides = GRPO_VARIANTS[n]
@@ -828,6 +876,7 @@ def main(argv=None) -> int:
         results["grpo"] = {
             "steps": steps,
             "seeds": seeds,
+            "lockstep": args.lockstep,
             "stats": stats,
             "variants": {n: GRPO_VARIANTS[n] for n in names},
         }
@@ -835,7 +884,8 @@ def main(argv=None) -> int:
         plot_tail(first, stats, out / "long_tail.png")
         seed_note = f", mean of seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f", seed {seeds[0]}"
         configs = ", ".join(sorted({Path(GRPO_VARIANTS[n][0]).name for n in stats}))
-        emit(f"GRPO step time ({steps} steps, {configs}{seed_note})", grpo_table(stats), "grpo_steps.png")
+        turns = ", variants in lockstep" if args.lockstep else ""
+        emit(f"GRPO step time ({steps} steps, {configs}{seed_note}{turns})", grpo_table(stats), "grpo_steps.png")
         emit("Per-phase share of step time", phase_table(stats))
         emit("The long tail (mean over steps)", tail_table(stats), "long_tail.png")
         if pooled := length_pool.length_pooled_table(stats, family, baseline_of):

@@ -1,0 +1,108 @@
+"""benchmarks/lockstep.py: runs that take turns step by step (bench.py --lockstep).
+
+Real processes, each the real ring member (``lockstep.py member``), running a script whose GRPO step is a
+timed sleep in place of a GRPO run (pure logic: what is tested is the turn-taking, not GRPO).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import lockstep  # noqa: E402
+
+# A stand-in for examples/run_grpo.py: main(argv) runs `steps` steps through rl_specdec.grpo.loop.step_and_log,
+# each a sleep that records its span; `die` makes it exit without a word at that step.
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from types import SimpleNamespace
+    from rl_specdec.grpo import loop
+
+    def fake_step(run, step):
+        t0 = time.time()
+        time.sleep(0.15)
+        with open(run.spans, "a") as fh:
+            fh.write(f"{run.name} {step + 1} {t0:.4f} {time.time():.4f}\\n")
+        return {}
+
+    loop.step_and_log = fake_step
+
+    def main(argv):
+        name, steps, die, spans = argv[0], int(argv[1]), int(argv[2]), argv[3]
+        run = SimpleNamespace(cfg=SimpleNamespace(grpo=SimpleNamespace(max_steps=steps)), name=name, spans=spans)
+        for step in range(steps):
+            if step == die:
+                os._exit(3)
+            loop.step_and_log(run, step)
+        return 0
+    """
+)
+
+
+def _script(tmp_path: Path) -> Path:
+    path = tmp_path / "fake_run.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_members_take_turns_and_one_that_dies_blocks_nobody(tmp_path):
+    script, spans = _script(tmp_path), tmp_path / "spans.log"
+    cmds = [
+        [sys.executable, str(script), "0", "4", "-1", str(spans)],
+        [sys.executable, str(script), "1", "4", "2", str(spans)],  # dies before its step 3
+        [sys.executable, str(script), "2", "4", "-1", str(spans)],
+    ]
+    logs = [tmp_path / f"m{i}" / "run.log" for i in range(3)]
+    rcs = lockstep.run_together(cmds, logs, tmp_path / "baton", log=lambda _: None)
+    assert rcs == [0, 3, 0], [p.read_text()[-2000:] for p in logs]
+    turns = lockstep.read_turns(tmp_path / "baton" / "turns.log")
+    assert lockstep.overlapping(turns) == []
+    assert lockstep.overlapping(lockstep.read_turns(spans)) == []
+    # strict rounds: member 0, 1, 2 for steps 1 and 2, then 0 and 2 once member 1 has gone
+    rounds = [(0, 1), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2), (0, 3), (2, 3), (0, 4), (2, 4)]
+    assert [(i, s) for i, s, _, _ in turns] == rounds
+
+
+def test_without_the_baton_the_same_steps_overlap(tmp_path):
+    """Negative control: the overlap check finds the clashes of the same members run side by side, unturned."""
+    script, spans = _script(tmp_path), tmp_path / "spans.log"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"import runpy; m = runpy.run_path({str(script)!r}); "
+                f"raise SystemExit(m['main']([{str(i)!r}, '4', '-1', {str(spans)!r}]))",
+            ]
+        )
+        for i in range(2)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert len(lockstep.overlapping(lockstep.read_turns(spans))) >= 1
+
+
+def test_a_member_waits_for_its_turn(tmp_path):
+    lockstep.Baton.start(tmp_path)
+    second = lockstep.Baton(tmp_path, 1, 2)
+    assert second.turn() == 0
+    t0 = time.time()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import sys, time, pathlib; sys.path.insert(0, {os.path.dirname(lockstep.__file__)!r}); import lockstep; "
+            f"time.sleep(0.3); lockstep.Baton(pathlib.Path({str(tmp_path)!r}), 0, 2).pass_on()",
+        ]
+    )
+    second.wait()
+    assert time.time() - t0 >= 0.3
+    assert proc.wait(timeout=60) == 0
+    second.finish()
+    assert second.turn() == 0  # handed back to the member still in the ring
