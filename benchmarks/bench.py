@@ -33,7 +33,10 @@ Every GRPO figure comes from a fresh subprocess per run, with wandb and
 checkpoints off (identical for every variant) and its metrics read back from
 ``metrics.jsonl``. Step time is the median over the steps after the first (the
 first pays for compilation and cache warm-up). Nothing else should run on the
-machine meanwhile; the report prints the load average.
+machine meanwhile; the report prints the load average. With ``--lockstep`` a
+seed's variants run together and take turns step by step
+(``benchmarks/lockstep.py``), so a machine that slows down over minutes slows
+every variant alike.
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,1,3],[2,1024,0]]"],
     ),
     "draft adaptive": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=adaptive", f"{CONTROL}.k_max=4"]),
+    # an A/A control: a second process of the baseline, the same seeds and rollouts (what two processes differ by)
+    "grpo_base again": ("configs/grpo_base.yaml", []),
     # the long-tail workload (issue 14): its own baseline, a fixed k, vLLM's static schedule, the controller
     "longtail base": ("configs/grpo_base_longtail.yaml", []),
     "longtail k=4": (
