@@ -279,16 +279,26 @@ def run_grpo(
     return finished_run(name, log_dir, key, rc, t0)
 
 
-def run_grpo_lockstep(names: list[str], steps: int, out: Path, quick: bool, seed: int) -> dict[str, list[dict] | str]:
+def run_grpo_lockstep(
+    names: list[str], steps: int, out: Path, quick: bool, seed: int, resume: bool = False
+) -> dict[str, list[dict] | str]:
     """A seed's variants as one ring (``benchmarks/lockstep.py``): they take turns step by step. Returns each
-    variant's rows, or the error of one that failed."""
+    variant's rows, or the error of one that failed. With ``resume`` a seed whose runs all finished with the
+    same settings is read back (one missing run reruns the whole ring: its turns are what is measured)."""
     jobs = {n: grpo_command(n, *GRPO_VARIANTS[n], steps, out, quick, seed) for n in names}
+    if resume and all(reusable(d, key) for _, d, key in jobs.values()):
+        log(f"  seed {seed}: reusing the finished runs in {out}/runs/seed{seed} (--resume)")
+        return {n: load_rows(d) for n, (_, d, _) in jobs.items()}
     for _, log_dir, _ in jobs.values():
         (log_dir / "done.json").unlink(missing_ok=True)
     log(f"  seed {seed}: {', '.join(names)} in lockstep, {steps} steps (logs: {out}/runs/seed{seed}/*/run.log)")
     t0 = time.time()
     rcs = lockstep.run_together(
-        [c for c, _, _ in jobs.values()], [d / "run.log" for _, d, _ in jobs.values()], out / "baton" / str(seed), log
+        [c for c, _, _ in jobs.values()],
+        [d / "run.log" for _, d, _ in jobs.values()],
+        out / "baton" / str(seed),
+        log,
+        cwd=REPO,
     )
     result: dict[str, list[dict] | str] = {}
     for (n, (_, log_dir, key)), rc in zip(jobs.items(), rcs):
@@ -851,7 +861,7 @@ def main(argv=None) -> int:
         jobs = [(sd, n) for sd in seeds for n in names]  # seed-major: a stopped benchmark has whole seeds
         if args.lockstep and not args.report_only:
             for sd in seeds:
-                for n, got in run_grpo_lockstep(names, steps, out, args.quick, sd).items():
+                for n, got in run_grpo_lockstep(names, steps, out, args.quick, sd, args.resume).items():
                     if isinstance(got, str):
                         log(f"  SKIPPED {n}, seed {sd}: {got}")
                         results.setdefault("failed", {})[f"{n}, seed {sd}"] = got

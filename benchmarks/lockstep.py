@@ -136,7 +136,7 @@ def member(argv: list[str]) -> int:
         baton.finish()
 
 
-def run_together(cmds: list[list[str]], logs: list[Path], folder: Path, log=print) -> list[int]:
+def run_together(cmds: list[list[str]], logs: list[Path], folder: Path, log=print, cwd=None) -> list[int]:
     """Run the ``examples/run_grpo.py`` command lines ``cmds`` as one ring; each writes to its log. Returns the
     return codes. A member that exits, however it ends, leaves the ring, so the others never wait on it."""
     Baton.start(folder)
@@ -146,7 +146,7 @@ def run_together(cmds: list[list[str]], logs: list[Path], folder: Path, log=prin
         ring = [cmd[0], here, "--baton", str(folder), "--index", str(i), "--of", str(len(cmds)), *cmd[1:]]
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as fh:
-            procs.append(subprocess.Popen(ring, stdout=fh, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(ring, stdout=fh, stderr=subprocess.STDOUT, cwd=cwd))
     rcs: list[int | None] = [None] * len(procs)
     while None in rcs:
         time.sleep(0.5)
