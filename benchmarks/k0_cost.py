@@ -27,6 +27,14 @@ speculation (the spread between two processes that run the same code) and the co
 
     python benchmarks/k0_cost.py --like-default --rounds 7 --seeds 0,1 --engines \
         "no speculation;no speculation, a second engine;k=0 everywhere, fast path;the controller (adaptive, k <= 4)"
+
+``--refit`` refits every engine's target before each of its calls (the policy's own weights, streamed in
+buckets as a GRPO step streams them; untimed), so the calls follow a refit as the GRPO run's do. ``--set`` applies
+a config override to every engine, e.g. the KV cache's budget::
+
+    python benchmarks/k0_cost.py --like-default --refit --rounds 4 --seeds 0,1 \
+        --set policy.generation.vllm_kwargs.kv_cache_memory_bytes=268435456 \
+        --engines "no speculation;no speculation, a second engine;fast path, k=3 at 1 request"
 """
 
 from __future__ import annotations
