@@ -27,6 +27,14 @@ speculation (the spread between two processes that run the same code) and the co
 
     python benchmarks/k0_cost.py --like-default --rounds 7 --seeds 0,1 --engines \
         "no speculation;no speculation, a second engine;k=0 everywhere, fast path;the controller (adaptive, k <= 4)"
+
+``--refit`` refits every engine's target before each of its calls (the policy's own weights, streamed in
+buckets as a GRPO step streams them; untimed), so the calls follow a refit as the GRPO run's do. ``--set`` applies
+a config override to every engine, e.g. the KV cache's budget::
+
+    python benchmarks/k0_cost.py --like-default --refit --rounds 4 --seeds 0,1 \
+        --set policy.generation.vllm_kwargs.kv_cache_memory_bytes=268435456 \
+        --engines "no speculation;no speculation, a second engine;fast path, k=3 at 1 request"
 """
 
 from __future__ import annotations
@@ -137,15 +145,33 @@ def toy_calls(tok, batch: int, seed: int, max_tokens: int):
     return call
 
 
-def measure(engines: dict, call, rounds: int, parts: dict | None = None) -> dict[str, list[float]]:
+def policy_buckets(model_name: str, max_bytes: int):
+    """A function that returns the policy's weights as a GRPO refit streams them: ObjectRefs of dicts of at
+    most ``max_bytes`` (rl_specdec.policy.state.bucketed), fp32, HF names."""
+    import ray
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rl_specdec.policy import state
+
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
+    pieces = [ray.put(b) for b in state.bucketed(state.full_state_items(model, torch.float32), max_bytes)]
+    return lambda: iter(pieces)
+
+
+def measure(engines: dict, call, rounds: int, parts: dict | None = None, refit=None) -> dict[str, list[float]]:
     """{engine: [seconds per call]}, one call per engine per round, engines in rotating order; with ``parts``,
-    each timed call's part times (engine_parts) are appended to ``parts[engine]``."""
+    each timed call's part times (engine_parts) are appended to ``parts[engine]``. With ``refit`` (a function
+    returning weight buckets), every engine's target is refitted before each of its calls, untimed, as a GRPO
+    step does before its generation."""
     names = list(engines)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(-2, rounds):  # two warm-up rounds
         prompts, sampling = call(r)
         order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
+            if refit is not None:
+                engines[n].update_weights_buckets(refit())
             t0 = time.perf_counter()
             engines[n].generate(prompts, sampling)
             dt = time.perf_counter() - t0
@@ -236,6 +262,12 @@ def main(argv=None) -> int:
         default=";".join(LIKE_DEFAULT_SHOWN),
         help=f"with --like-default: the engines, ';'-separated, from: {'; '.join(LIKE_DEFAULT)}",
     )
+    p.add_argument(
+        "--refit",
+        action="store_true",
+        help="with --like-default: refit every engine's target (the same weights, streamed as a GRPO step "
+        "streams them) before each of its calls, untimed",
+    )
     p.add_argument("--out", default="results/k0_cost")
     args = p.parse_args(argv)
     chosen = [n.strip() for n in args.engines.split(";") if n.strip()]
@@ -264,16 +296,29 @@ def main(argv=None) -> int:
             else:
                 engines[n] = start(models, *spec)
             log(f"  started {n}")
+        refit = None
+        if args.refit and args.like_default:
+            from rl_specdec.config import load_config
+
+            cfg = load_config(DEFAULT_CONFIG, args.set)
+            refit = policy_buckets(cfg.policy.model_name, cfg.policy.refit_bucket_bytes)
         per_seed = {}
         for sd in map(int, args.seeds.split(",")):
             call = default_calls(sd) if args.like_default else toy_calls(tok, args.batch, sd, args.max_tokens)
-            per_seed[sd] = measure(engines, call, args.rounds, parts)
+            per_seed[sd] = measure(engines, call, args.rounds, parts, refit)
     finally:
         for g in engines.values():
             g.shutdown()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    raw = {"load": load, "like_default": args.like_default, "batch": args.batch, "times": per_seed, "parts": parts}
+    raw = {
+        "load": load,
+        "like_default": args.like_default,
+        "refit": args.refit,
+        "batch": args.batch,
+        "times": per_seed,
+        "parts": parts,
+    }
     (out / "k0_cost.json").write_text(json.dumps(raw, indent=1))
     print(table(per_seed))
     if parts:

@@ -169,6 +169,24 @@ def test_refitting_random_drafter_weights_trips_the_canary(eng_draft, toy, token
     assert not step(11)[1], "the restored drafter still trips the canary"
 
 
+def test_the_canary_judges_a_rate_over_enough_drafts():
+    """A step of the controller's that drafted 2 tokens, both rejected, is no collapse: it is pooled with the
+    next step. The negative control, judging every step however few its drafts, trips on it."""
+    for min_drafts, trips_on_two in ((32, False), (1, True)):
+        canary = AcceptanceCanary(min_ratio=0.5, window=20, min_history=3, min_drafts=min_drafts)
+        for _ in range(3):
+            assert canary.observe_counts(31.0, 36.0) == (31 / 36, False)
+        two = canary.observe_counts(0.0, 2.0)
+        assert (two is not None and two[1]) is trips_on_two, (min_drafts, two)
+    canary = AcceptanceCanary(min_ratio=0.5, window=20, min_history=3)
+    for _ in range(3):
+        canary.observe_counts(31.0, 36.0)
+    assert canary.observe_counts(0.0, 2.0) is None  # not judged yet
+    rate, tripped = canary.observe_counts(36.0, 40.0)
+    assert rate == 36 / 42 and not tripped  # the 2 rejected drafts are in the pooled rate
+    assert canary.observe_counts(2.0, 40.0) == (2 / 40, True)  # a real collapse still trips
+
+
 def test_a_streamed_refit_in_small_buckets_is_lossless_and_verified(
     eng_draft, eng_none, hf_policy, task_prompts, hf_reference, tokenizer
 ):

@@ -94,6 +94,36 @@ def test_summary_line_says_what_runs():
     )
 
 
+# a KV cache of 256 MiB in fp32 as the engine reports it: 1 MiB per 128-token block for the toy target, 0.25 MiB
+# for its drafter, so 204 blocks; max_model_len 128 is one block a request
+KV = dict(CPU_DRAFT, max_num_seqs=256, kv_cache_memory_bytes=256 * 2**20, kv_cache_blocks=204, block_size=128)
+
+
+def test_kv_capacity_counts_requests_of_max_model_len():
+    assert settings.kv_capacity(KV) == 204
+    assert settings.kv_capacity(dict(KV, max_model_len=512)) == 51  # 4 blocks a request
+    assert settings.kv_capacity(dict(KV, max_model_len=129)) == 102  # a partial block is a whole one
+    assert settings.kv_capacity(CPU_DRAFT) is None  # an engine that did not report its blocks
+
+
+def test_a_kv_cache_too_small_for_a_call_is_named_with_the_bytes_that_fit_it():
+    msg = settings.kv_shortfall(KV, wanted=512)  # 512 requests a call, max_num_seqs 256 of them at once
+    assert "vllm_kwargs: the KV cache holds 204 requests" in msg and "up to 256" in msg and "drafter" in msg
+    mib = int(msg.split("(")[-1].split(" MiB")[0])
+    per_block = KV["kv_cache_memory_bytes"] / KV["kv_cache_blocks"]
+    assert mib * 2**20 // per_block >= 256 > (mib - 1) * 2**20 // per_block  # the fix is enough, and no more
+    assert f"kv_cache_memory_bytes to at least {mib * 2**20}" in msg
+    gpu = settings.kv_shortfall(dict(KV, kv_cache_memory_bytes=None), wanted=512)
+    assert "gpu_memory_utilization" in gpu
+
+
+def test_a_kv_cache_that_holds_the_call_gives_nothing():
+    assert settings.kv_shortfall(KV, wanted=204) is None
+    assert settings.kv_shortfall(dict(KV, max_num_seqs=128), wanted=512) is None  # vLLM runs 128 at most
+    assert settings.kv_shortfall(dict(KV, kv_cache_blocks=256), wanted=512) is None
+    assert settings.kv_shortfall(CPU_DRAFT, wanted=512) is None  # nothing reported, nothing claimed
+
+
 def test_environment_report_runs_and_names_the_vllm_version():
     import vllm
 

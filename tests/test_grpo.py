@@ -179,6 +179,10 @@ def test_engine_yaml_says_what_the_engine_runs(uninterrupted):
     assert engine["speculative/method"] == "draft_model" and engine["speculative/num_speculative_tokens"] == 3
     assert engine["backend"] == "cpu" and engine["cpu_expand_fix"] is True and engine["dtype"] == "float32"
     assert engine["load_format"] == "dummy"
+    # the shipped KV budget holds max_num_seqs requests with the drafter's layers in it (256 MiB held 204 in fp32)
+    from rl_specdec.rollout.engine_settings import kv_capacity
+
+    assert kv_capacity(engine) >= engine["max_num_seqs"], (engine["kv_cache_blocks"], engine["block_size"])
     warned = [m for m in (Path(uninterrupted) / "warnings.txt").read_text().splitlines() if "the engine runs" in m]
     assert len(warned) == 1 and "vllm_kwargs.async_scheduling: requested True, the engine runs False" in warned[0], (
         warned

@@ -8,7 +8,10 @@ healthy steps, it trips: the step logs ``spec_decode/canary = 1`` and the
 loop warns with the likely causes, turns speculation off, or stops
 (``policy.generation.acceptance_canary.action``: warn | disable | fail).
 Tripped steps do not enter the median, so one collapse does not teach the
-canary that collapse is normal.
+canary that collapse is normal. A rate is judged only over at least
+``min_drafts`` draft tokens: a step that drafted fewer (run-time k drafts
+only in a step's tail, sometimes 2 tokens) is pooled with the next ones, so
+two rejected tokens are not taken for a collapse.
 """
 
 from __future__ import annotations
@@ -30,7 +33,20 @@ class AcceptanceCanary:
     min_ratio: float = 0.5
     window: int = 20
     min_history: int = 3  # healthy steps needed before it can trip
+    min_drafts: int = 32  # draft tokens a judged rate is taken over (steps with fewer are pooled)
     history: deque = field(default_factory=deque)
+    pooled: list[float] = field(default_factory=lambda: [0.0, 0.0])  # accepted, drafted: not judged yet
+
+    def observe_counts(self, accepted: float, drafted: float) -> tuple[float, bool] | None:
+        """Add a step's accepted and drafted tokens; once ``min_drafts`` are pooled, judge their rate:
+        ``(rate, tripped)``. None while fewer are pooled."""
+        self.pooled[0] += accepted
+        self.pooled[1] += drafted
+        if self.pooled[1] < self.min_drafts:
+            return None
+        rate = self.pooled[0] / self.pooled[1]
+        self.pooled = [0.0, 0.0]
+        return rate, self.observe(rate)
 
     def observe(self, acceptance_rate: float) -> bool:
         """Record one step's acceptance rate; True if it collapsed (the canary trips)."""

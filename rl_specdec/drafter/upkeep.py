@@ -76,9 +76,12 @@ class DrafterUpkeep:
         """The acceptance canary on this step's rollouts (every step follows a refit)."""
         if not self.speculating or not spec_metrics or not spec_metrics.get("spec_decode/num_draft_tokens"):
             return {}
-        rate = spec_metrics["spec_decode/acceptance_rate"]
-        if not self.canary.observe(rate):
+        judged = self.canary.observe_counts(
+            spec_metrics["spec_decode/num_accepted_tokens"], spec_metrics["spec_decode/num_draft_tokens"]
+        )
+        if judged is None or not judged[1]:
             return {"spec_decode/canary": 0.0}
+        rate = judged[0]
         message = self.canary.message(rate)
         if self.action == "fail":
             raise SpecDecodeCanaryTripped(message + " Stopping (acceptance_canary.action=fail).")

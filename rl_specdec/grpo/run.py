@@ -134,7 +134,7 @@ def record_environment(run: GRPORun) -> None:
     """sysinfo.txt and engine.yaml in the log folder, the engines' settings in wandb (engine/), one console line."""
     from omegaconf import OmegaConf
 
-    from rl_specdec.rollout.engine_settings import summary_line
+    from rl_specdec.rollout.engine_settings import kv_shortfall, summary_line
     from rl_specdec.sysinfo import report
 
     gen = run.generation
@@ -146,6 +146,10 @@ def record_environment(run: GRPORun) -> None:
     run.metrics.write_file("engine.yaml", OmegaConf.to_yaml({"engines": engines}))
     run.metrics.add_config({"engine": gen.settings})
     logger.info("%s", summary_line(gen.settings, len(engines)))
+    g = run.cfg.grpo
+    per_engine = -(-max(g.num_prompts_per_step * g.num_generations_per_prompt, g.val_num_prompts) // len(engines))
+    if short := kv_shortfall(gen.settings, per_engine):
+        logger.warning("%s", short)
 
 
 def _resume(run: GRPORun, path: Path, state: dict[str, Any]) -> int:

@@ -142,6 +142,36 @@ def check(vllm_kwargs: dict[str, Any], per_engine: list[dict[str, Any]], strict:
     return settings
 
 
+def kv_capacity(settings: dict[str, Any]) -> int | None:
+    """How many requests of ``max_model_len`` tokens the engine's KV cache holds at once (vLLM's "maximum
+    concurrency"), its drafter's layers included; None where the engine did not report its blocks."""
+    blocks, size, length = (settings.get(k) for k in ("kv_cache_blocks", "block_size", "max_model_len"))
+    if not (blocks and size and length):
+        return None
+    return blocks // -(-length // size)
+
+
+def kv_shortfall(settings: dict[str, Any], wanted: int) -> str | None:
+    """A warning when the KV cache cannot hold the ``wanted`` requests an engine is given at once (up to
+    ``max_num_seqs``): the scheduler then runs fewer at a time and a call takes more steps. Else None."""
+    cap, seqs = kv_capacity(settings), settings.get("max_num_seqs") or wanted
+    need = min(wanted, seqs)
+    if cap is None or cap >= need:
+        return None
+    drafter = " (the drafter's layers take their share)" if settings.get("speculative/method") else ""
+    have = settings.get("kv_cache_memory_bytes")
+    if have:
+        mib = -(-have * need // cap // 2**20)
+        fix = f"set {KEY}.kv_cache_memory_bytes to at least {mib * 2**20} ({mib} MiB)"
+    else:
+        fix = f"raise {KEY}.gpu_memory_utilization, or lower max_model_len"
+    return (
+        f"{KEY}: the KV cache holds {cap} requests of max_model_len {settings.get('max_model_len')} tokens "
+        f"at once{drafter}, and a call gives an engine up to {need}: the rest wait, and a call takes more "
+        f"steps. To run them together, {fix}."
+    )
+
+
 def summary_line(settings: dict[str, Any], num_engines: int) -> str:
     """One line for the console: what every engine runs."""
     s = settings

@@ -122,6 +122,8 @@ def read_settings(worker) -> dict[str, Any]:
         "enable_chunked_prefill": bool(sched.enable_chunked_prefill),
         "enable_prefix_caching": bool(cache.enable_prefix_caching),
         "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
+        "kv_cache_blocks": cache.num_gpu_blocks,  # what that memory holds, drafter's layers included
+        "block_size": cache.block_size,
         "load_format": str(c.load_config.load_format),
         "enforce_eager": bool(model_cfg.enforce_eager),
         "compilation_mode": int(c.compilation_config.mode),
