@@ -9,8 +9,9 @@ baton lets one of them work at a time:
   validation), then one step, then hands it to the next, which does the same;
 - from then on they alternate one GRPO step each: step s of every variant runs within one round
   of the others, under the same load;
-- a run keeps the baton after its last step until its process has shut down, so its shutdown
-  overlaps nothing; a run that ends (or dies) leaves the ring, and the parent hands its turn on.
+- a run keeps the baton after its last step until its process has shut down and every process it
+  had started by then (Ray's, the engines') has exited, so its teardown overlaps no other run's last
+  step; a run that ends (or dies) leaves the ring, and the parent hands its turn on.
 
 Only the holder computes; the others wait in a poll of 10 ms, their engines idle. Steps are timed
 inside each run as always (``timing/*``), so the waits are in no figure. Not for
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 
 POLL_S = 0.01
+TEARDOWN_S = 120.0  # the longest a finished run waits for its processes to exit before handing the turn on
 
 
 class Baton:
@@ -42,6 +44,7 @@ class Baton:
         if not 0 <= index < size:
             raise ValueError(f"--index {index} is outside the ring of {size} (0..{size - 1})")
         self.folder, self.index, self.size = Path(folder), index, size
+        self.tree: list = []  # set after the last step: the processes the run had started
 
     @staticmethod
     def start(folder: Path) -> None:
@@ -99,8 +102,25 @@ def hold_per_step(baton: Baton) -> None:
                 fh.write(f"{baton.index} {step + 1} {t0:.4f} {time.time():.4f}\n")
             if step + 1 < run.cfg.grpo.max_steps:
                 baton.pass_on()
+            else:  # the processes whose teardown the next run must not share its last step with
+                baton.tree = descendants()
 
     loop.step_and_log = step_and_log  # run_steps looks it up in the module at each step
+
+
+def descendants() -> list:
+    """This process's children, and theirs (Ray's daemons and workers, the engines), alive now."""
+    import psutil
+
+    return psutil.Process().children(recursive=True)
+
+
+def wait_gone(procs: list, timeout_s: float = TEARDOWN_S) -> list:
+    """Wait until ``procs`` have exited (Ray's workers go on exiting after ``ray.shutdown``, orphaned);
+    returns those still alive after ``timeout_s``."""
+    import psutil
+
+    return psutil.wait_procs(procs, timeout=timeout_s)[1]
 
 
 def read_turns(path: Path) -> list[tuple[int, int, float, float]]:
@@ -133,6 +153,9 @@ def member(argv: list[str]) -> int:
     try:
         return script.main(ns.args)
     finally:
+        left = wait_gone(baton.tree)
+        if left:
+            print(f"lockstep: {len(left)} processes still alive {TEARDOWN_S:.0f}s after the run; going on", flush=True)
         baton.finish()
 
 

@@ -18,10 +18,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import lockstep  # noqa: E402
 
 # A stand-in for examples/run_grpo.py: main(argv) runs `steps` steps through rl_specdec.grpo.loop.step_and_log,
-# each a sleep that records its span; `die` makes it exit without a word at that step.
+# each a sleep that records its span; `die` makes it exit without a word at that step; `linger` (seconds) starts,
+# before its last step, a child that outlives the run (as Ray's workers outlive ray.shutdown) and records its end.
 SCRIPT = textwrap.dedent(
     """
-    import os, sys, time
+    import os, subprocess, sys, time
     from types import SimpleNamespace
     from rl_specdec.grpo import loop
 
@@ -36,10 +37,14 @@ SCRIPT = textwrap.dedent(
 
     def main(argv):
         name, steps, die, spans = argv[0], int(argv[1]), int(argv[2]), argv[3]
+        linger = float(argv[4]) if len(argv) > 4 else 0.0
         run = SimpleNamespace(cfg=SimpleNamespace(grpo=SimpleNamespace(max_steps=steps)), name=name, spans=spans)
         for step in range(steps):
             if step == die:
                 os._exit(3)
+            if linger and step == steps - 1:
+                code = f"import time; time.sleep({linger}); open({spans!r} + '.child', 'w').write(str(time.time()))"
+                subprocess.Popen([sys.executable, "-c", code])
             loop.step_and_log(run, step)
         return 0
     """
@@ -68,6 +73,22 @@ def test_members_take_turns_and_one_that_dies_blocks_nobody(tmp_path):
     # strict rounds: member 0, 1, 2 for steps 1 and 2, then 0 and 2 once member 1 has gone
     rounds = [(0, 1), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2), (0, 3), (2, 3), (0, 4), (2, 4)]
     assert [(i, s) for i, s, _, _ in turns] == rounds
+
+
+def test_a_finished_run_holds_the_turn_until_its_processes_have_exited(tmp_path):
+    """Member 0's last step leaves a child that exits 1.5 s after the run (as Ray's workers outlive
+    ray.shutdown): member 1's last step starts only once it has gone, so no teardown shares a step."""
+    script, spans = _script(tmp_path), tmp_path / "spans.log"
+    cmds = [
+        [sys.executable, str(script), "0", "2", "-1", str(spans), "1.5"],
+        [sys.executable, str(script), "1", "2", "-1", str(spans)],
+    ]
+    logs = [tmp_path / f"m{i}" / "run.log" for i in range(2)]
+    assert lockstep.run_together(cmds, logs, tmp_path / "baton", log=lambda _: None) == [0, 0]
+    turns = lockstep.read_turns(tmp_path / "baton" / "turns.log")
+    assert [(i, s) for i, s, _, _ in turns] == [(0, 1), (1, 1), (0, 2), (1, 2)]
+    child_end = float(Path(str(spans) + ".child").read_text())
+    assert turns[-1][2] >= child_end > turns[-2][3], (turns, child_end)
 
 
 def test_without_the_baton_the_same_steps_overlap(tmp_path):
