@@ -1,0 +1,181 @@
+"""bench.py's GRPO variants: each a config and its overrides, the groups they fall in, what each is compared with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import drafter_life  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
+import overlap_runs
+import precision_runs
+
+REPO = Path(__file__).resolve().parent.parent
+
+SPEC = "policy.generation.vllm_kwargs.speculative_config"
+CONTROL = "policy.generation.speculation_control"
+
+
+# name -> (config, overrides). Every variant of the default run differs from
+# grpo_spec.yaml / grpo_base.yaml only in these keys.
+GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "grpo_base": ("configs/grpo_base.yaml", []),
+    "grpo_spec": ("configs/grpo_spec.yaml", []),  # as shipped: the controller (speculation_control.mode=auto)
+    # vLLM's own k (speculation_control off): the earlier default (k=3), other k, schedules
+    "draft k=3": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=off"]),
+    "draft k=1": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=1"]),
+    "draft k=2": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=2"]),
+    "draft k=5": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=5"]),
+    "draft schedule": (
+        "configs/grpo_spec.yaml",
+        [
+            f"{CONTROL}.mode=off",
+            f"{SPEC}.num_speculative_tokens=5",
+            f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,5],[17,64,3],[65,1024,2]]",
+        ],
+    ),
+    "draft tail-only": (
+        "configs/grpo_spec.yaml",
+        [
+            f"{CONTROL}.mode=off",
+            f"{SPEC}.num_speculative_tokens=3",
+            f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,3],[17,1024,0]]",
+        ],
+    ),
+    # run-time k (issue 14): k=0 through the fast path, and the adaptive controller (k in 0..4 per batch-size bucket)
+    "draft k=0 fast path": (
+        "configs/grpo_spec.yaml",
+        [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,1,3],[2,1024,0]]"],
+    ),
+    "draft adaptive": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=adaptive", f"{CONTROL}.k_max=4"]),
+    # an A/A control: a second process of the baseline, the same seeds and rollouts (what two processes differ by)
+    "grpo_base again": ("configs/grpo_base.yaml", []),
+    # the long-tail workload (issue 14): its own baseline, a fixed k, vLLM's static schedule, the controller
+    "longtail base": ("configs/grpo_base_longtail.yaml", []),
+    "longtail k=4": (
+        "configs/grpo_spec_longtail.yaml",
+        [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens_per_batch_size=null"],
+    ),
+    "longtail schedule": (
+        "configs/grpo_spec_longtail.yaml",
+        [
+            f"{CONTROL}.mode=off",
+            f"{SPEC}.num_speculative_tokens=6",
+            f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,6],[17,64,3],[65,1024,2]]",
+        ],
+    ),
+    "longtail tail-only fast path": (
+        "configs/grpo_spec_longtail.yaml",
+        [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,4],[17,1024,0]]"],
+    ),
+    "longtail adaptive": (
+        "configs/grpo_spec_longtail.yaml",
+        [f"{CONTROL}.mode=adaptive", f"{SPEC}.num_speculative_tokens_per_batch_size=null"],
+    ),
+    # the wide workload (issue 24): a target ~19x a drafter pass; no speculation, the best fixed k by the cost
+    # table, vLLM's static schedule, a concurrency threshold (FastGRPO's rule) and the controller
+    "wide base": ("configs/grpo_base_wide.yaml", []),
+    "wide k=4": ("configs/grpo_spec_wide.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=4"]),
+    "wide schedule": (
+        "configs/grpo_spec_wide.yaml",
+        [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,4,5],[5,32,3],[33,1024,2]]"],
+    ),
+    "wide threshold": (
+        "configs/grpo_spec_wide.yaml",
+        [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,5],[17,1024,0]]"],
+    ),
+    "wide schedule corrected": (  # the best k of the corrected cost table per batch size (docs/performance.md 11)
+        "configs/grpo_spec_wide.yaml",
+        [
+            f"{CONTROL}.mode=off",
+            f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,2,5],[3,4,4],[5,16,2],[17,1024,0]]",
+        ],
+    ),
+    "wide adaptive": ("configs/grpo_spec_wide.yaml", []),
+    "ngram k=3": (
+        "configs/grpo_spec.yaml",
+        [
+            f"{SPEC}.method=ngram",  # a method switch starts from ngram's defaults: nothing of draft_model's
+            f"{SPEC}.num_speculative_tokens=3",
+            f"{SPEC}.prompt_lookup_max=3",
+            f"{SPEC}.prompt_lookup_min=1",
+        ],
+    ),
+    "suffix k=3": (
+        "configs/grpo_spec.yaml",
+        [f"{SPEC}.method=suffix", f"{SPEC}.num_speculative_tokens=3"],
+    ),
+    "schedule 2x1": (
+        "configs/grpo_spec.yaml",
+        [
+            f"{SPEC}.num_speculative_tokens=5",
+            f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,5],[17,64,3],[65,1024,2]]",
+            "policy.generation.num_engines=2",
+            "policy.generation.cpus_per_engine=1",
+        ],
+    ),
+    "grpo_base 2x1": (
+        "configs/grpo_base.yaml",
+        ["policy.generation.num_engines=2", "policy.generation.cpus_per_engine=1"],
+    ),
+    "grpo_spec 2x1": (
+        "configs/grpo_spec.yaml",
+        ["policy.generation.num_engines=2", "policy.generation.cpus_per_engine=1"],
+    ),
+    # the trainer as 2 data-parallel workers (DDP over gloo), same update as one: compare with grpo_spec
+    "grpo_spec policy 2x": ("configs/grpo_spec.yaml", ["policy.num_workers=2"]),
+    # the drafter distilled towards the policy after every step and refit (issue 13): its cost
+    "grpo_spec drafter online": ("configs/grpo_spec.yaml", [drafter_life.ONLINE]),
+    "grpo_spec drafter light": ("configs/grpo_spec.yaml", drafter_life.LIGHT),
+    # fp32 against bf16-mixed (bf16 compute over fp32 master weights, bf16 engines): benchmarks/precision_runs.py
+    **precision_runs.VARIANTS,
+    # grpo.max_staleness 0 against 1 (rollouts overlapping training), both tasks: benchmarks/overlap_runs.py
+    **overlap_runs.VARIANTS,
+}
+QUICK_VARIANTS = ["grpo_base", "draft adaptive", "longtail base", "longtail adaptive"]
+QUICK_SECTIONS = ("rollout", "grpo")  # --quick: staleness and peer only when asked for (--sections)
+TRAINER_VARIANTS = {"grpo_spec policy 2x"}  # change the trainer, not the rollouts: kept out of the speculation verdicts
+# the drafter trains beside the policy on the same cores: their train phase differs by design, not by chance
+DRAFTER_VARIANTS = {"grpo_spec drafter online", "grpo_spec drafter light"}
+# another precision changes the train phase and the rollouts: compared with their own baseline, kept out of the verdicts
+PRECISION_VARIANTS = set(precision_runs.VARIANTS)
+# overlap changes when each phase runs: compared within its pair, kept out of the pooling and the verdicts
+OVERLAP_VARIANTS = set(overlap_runs.VARIANTS)
+# what every benchmark run changes: its own log folder, no wandb, no checkpoints, no bar
+COMMON = ["logger.wandb.enabled=false", "checkpoint.enabled=false", "logger.progress_bar=false"]
+# --quick: skip what only costs start-up time (the sampling self-check, validation, torch.compile)
+QUICK = ["policy.generation.self_check=false", "grpo.val_every=0", "policy.generation.vllm_kwargs.enforce_eager=true"]
+PHASES = ("generation", "train", "refit", "validation", "reward", "prompts")
+
+
+def family(name: str) -> str:
+    """The workload a variant runs: "" (the default task), "longtail" or "wide"."""
+    return next((f for f in ("longtail", "wide") if name.startswith(f + " ")), "")
+
+
+def baseline_of(name: str) -> str:
+    """The variant a variant is compared with: same task, same engine layout, no speculation."""
+    if name in OVERLAP_VARIANTS:
+        return overlap_runs.baseline(name)
+    if family(name):
+        return f"{family(name)} base"
+    if name in PRECISION_VARIANTS:  # the same precision without speculation
+        return "grpo_base " + name.split(" ", 1)[1]
+    return "grpo_base 2x1" if "2x1" in name else "grpo_base"
+
+
+def spec_label(config: str, overrides: list[str]) -> str:
+    """What a variant speculates with, read from its effective config: "none",
+    "draft_model k=3", "draft_model k by batch 1-16:5 17-64:3 65-1024:2", "draft_model, the controller (k in 0..3)"."""
+    from rl_specdec.config import load_config
+
+    cfg = load_config(REPO / config, overrides, resolve_models=False)
+    sc = cfg.policy.generation.vllm_kwargs.get("speculative_config")
+    if not sc:
+        return "none"
+    sched = sc.get("num_speculative_tokens_per_batch_size")
+    k = sc.get("num_speculative_tokens", sc.get("prompt_lookup_max"))
+    control = cfg.policy.generation.speculation_control
+    if control.mode == "adaptive":  # the controller: k per batch-size bucket, measured
+        return f"{sc['method']}, the controller (k in 0..{control.k_max or k})"
+    if sched:
+        return f"{sc['method']} k by batch " + " ".join(f"{lo}-{hi}:{kk}" for lo, hi, kk in sched)
+    return f"{sc['method']} k={k}"
