@@ -259,7 +259,8 @@ def test_the_canary_disable_path_makes_the_next_call_draft_nothing(eng_adaptive,
     healthy = compute_spec_decode_metrics(None, lifetime)
     for _ in range(3):
         assert upkeep.check(healthy, eng_adaptive) == {"spec_decode/canary": 0.0}
-    collapsed = {**healthy, "spec_decode/acceptance_rate": 0.01}
+    drafted = healthy["spec_decode/num_draft_tokens"]  # the canary judges accepted / drafted tokens
+    collapsed = {**healthy, "spec_decode/acceptance_rate": 0.01, "spec_decode/num_accepted_tokens": 0.01 * drafted}
     assert upkeep.check(collapsed, eng_adaptive) == {"spec_decode/canary": 1.0}
     out = eng_adaptive.generate(task_prompts * 4, sampling)
     assert out.spec_counters.get(DRAFT_TOKENS, 0.0) == 0.0, out.spec_counters
