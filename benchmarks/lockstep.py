@@ -9,9 +9,9 @@ baton lets one of them work at a time:
   validation), then one step, then hands it to the next, which does the same;
 - from then on they alternate one GRPO step each: step s of every variant runs within one round
   of the others, under the same load;
-- a run keeps the baton after its last step until its process has shut down and every process it
-  had started by then (Ray's, the engines') has exited, so its teardown overlaps no other run's last
-  step; a run that ends (or dies) leaves the ring, and the parent hands its turn on.
+- a run keeps the baton after its last step until every process it had started by then (Ray's,
+  the engines') has exited, and then its own process: the parent hands its turn on when it sees the
+  process end, so no teardown overlaps another run's last step; a run that dies leaves the ring alike.
 
 Only the holder computes; the others wait in a poll of 10 ms, their engines idle. Steps are timed
 inside each run as always (``timing/*``), so the waits are in no figure. Not for
@@ -152,11 +152,10 @@ def member(argv: list[str]) -> int:
     baton.wait()  # the set-up and the step-0 row run alone
     try:
         return script.main(ns.args)
-    finally:
+    finally:  # the turn goes on once this process has exited too (run_together), not before its own teardown
         left = wait_gone(baton.tree)
         if left:
             print(f"lockstep: {len(left)} processes still alive {TEARDOWN_S:.0f}s after the run; going on", flush=True)
-        baton.finish()
 
 
 def run_together(cmds: list[list[str]], logs: list[Path], folder: Path, log=print, cwd=None) -> list[int]:

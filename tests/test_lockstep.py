@@ -22,7 +22,7 @@ import lockstep  # noqa: E402
 # before its last step, a child that outlives the run (as Ray's workers outlive ray.shutdown) and records its end.
 SCRIPT = textwrap.dedent(
     """
-    import os, subprocess, sys, time
+    import atexit, os, subprocess, sys, time
     from types import SimpleNamespace
     from rl_specdec.grpo import loop
 
@@ -45,6 +45,8 @@ SCRIPT = textwrap.dedent(
             if linger and step == steps - 1:
                 code = f"import time; time.sleep({linger}); open({spans!r} + '.child', 'w').write(str(time.time()))"
                 subprocess.Popen([sys.executable, "-c", code])
+                # and the process's own teardown (interpreter exit), after main returns
+                atexit.register(lambda: (time.sleep(1.0), open(spans + ".exit", "w").write(str(time.time()))))
             loop.step_and_log(run, step)
         return 0
     """
@@ -77,7 +79,8 @@ def test_members_take_turns_and_one_that_dies_blocks_nobody(tmp_path):
 
 def test_a_finished_run_holds_the_turn_until_its_processes_have_exited(tmp_path):
     """Member 0's last step leaves a child that exits 1.5 s after the run (as Ray's workers outlive
-    ray.shutdown): member 1's last step starts only once it has gone, so no teardown shares a step."""
+    ray.shutdown), and its own process takes 1 s more to exit: member 1's last step starts only once
+    both have gone, so no teardown shares a step."""
     script, spans = _script(tmp_path), tmp_path / "spans.log"
     cmds = [
         [sys.executable, str(script), "0", "2", "-1", str(spans), "1.5"],
@@ -89,6 +92,8 @@ def test_a_finished_run_holds_the_turn_until_its_processes_have_exited(tmp_path)
     assert [(i, s) for i, s, _, _ in turns] == [(0, 1), (1, 1), (0, 2), (1, 2)]
     child_end = float(Path(str(spans) + ".child").read_text())
     assert turns[-1][2] >= child_end > turns[-2][3], (turns, child_end)
+    own_exit = float(Path(str(spans) + ".exit").read_text())
+    assert turns[-1][2] >= own_exit > turns[-2][3], (turns, own_exit)
 
 
 def test_without_the_baton_the_same_steps_overlap(tmp_path):
