@@ -46,6 +46,11 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,1,3],[2,1024,0]]"],
     ),
     "draft adaptive": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=adaptive", f"{CONTROL}.k_max=4"]),
+    # a concurrency threshold (as FastGRPO's): k=3 below 32 running requests, the fast path above
+    "draft threshold 31": (
+        "configs/grpo_spec.yaml",
+        [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,31,3],[32,1024,0]]"],
+    ),
     # an A/A control: a second process of the baseline, the same seeds and rollouts (what two processes differ by)
     "grpo_base again": ("configs/grpo_base.yaml", []),
     # the long-tail workload (issue 14): its own baseline, a fixed k, vLLM's static schedule, the controller
