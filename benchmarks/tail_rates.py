@@ -5,8 +5,8 @@ the default run's generate calls (benchmarks/k0_cost.py's ``default_calls``), ca
 engine order rotating each round. Every engine step is recorded (benchmarks/step_records.py). Engines:
 
 * ``k=0 everywhere``: run-time k with k=0 everywhere (the fast path; the reference);
-* ``threshold 31``: k=3 below 32 running requests, the fast path above (a concurrency threshold);
-* ``the controller``: the default as shipped (``speculation_control.mode: auto``).
+* ``threshold 32 (the default)``: k=3 below 32 running requests, the fast path above (``draft_below: 32``);
+* ``the controller``: ``draft_below: null`` (k per batch-size bucket, measured while the engine runs).
 
 It prints the calls' times (median of the per-round ratios to ``k=0 everywhere``, and the ratio of the
 sums per seed), the time spent in steps below 32 running requests, and per bucket the kept tokens per
@@ -29,15 +29,11 @@ from rollout import cores_and_load, log
 from step_records import engine_group, importable
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC = "policy.generation.vllm_kwargs.speculative_config"
 CONTROL = "policy.generation.speculation_control"
 ENGINES = {  # name -> (overrides of configs/grpo_spec.yaml, k set after start or None)
     "k=0 everywhere": ([f"{CONTROL}.mode=fixed"], 0),
-    "threshold 31": (
-        [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,31,3],[32,1024,0]]"],
-        None,
-    ),
-    "the controller": ([], None),
+    "threshold 32 (the default)": ([], None),
+    "the controller": ([f"{CONTROL}.draft_below=null"], None),
 }
 BUCKETS = [(1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 256)]
 TAIL = 32  # below this many running requests: the tail
