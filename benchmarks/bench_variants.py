@@ -18,7 +18,7 @@ CONTROL = "policy.generation.speculation_control"
 # grpo_spec.yaml / grpo_base.yaml only in these keys.
 GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     "grpo_base": ("configs/grpo_base.yaml", []),
-    "grpo_spec": ("configs/grpo_spec.yaml", []),  # as shipped: the controller (speculation_control.mode=auto)
+    "grpo_spec": ("configs/grpo_spec.yaml", []),  # as shipped: k=3 below 32 running requests (draft_below=32)
     # vLLM's own k (speculation_control off): the earlier default (k=3), other k, schedules
     "draft k=3": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=off"]),
     "draft k=1": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=1"]),
@@ -43,9 +43,16 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     # run-time k (issue 14): k=0 through the fast path, and the adaptive controller (k in 0..4 per batch-size bucket)
     "draft k=0 fast path": (
         "configs/grpo_spec.yaml",
-        [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,1,3],[2,1024,0]]"],
+        [f"{CONTROL}.mode=fixed", f"{CONTROL}.draft_below=2"],
     ),
-    "draft adaptive": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=adaptive", f"{CONTROL}.k_max=4"]),
+    "draft adaptive": (
+        "configs/grpo_spec.yaml",
+        [f"{CONTROL}.mode=adaptive", f"{CONTROL}.k_max=4", f"{CONTROL}.draft_below=null"],
+    ),
+    # a concurrency threshold (as FastGRPO's): k=3 below 32 running requests, the fast path above (the default's)
+    "draft threshold 31": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=fixed", f"{CONTROL}.draft_below=32"]),
+    # the default before the threshold: the controller, k in 0..3 per batch-size bucket
+    "grpo_spec controller": ("configs/grpo_spec.yaml", [f"{CONTROL}.draft_below=null"]),
     # an A/A control: a second process of the baseline, the same seeds and rollouts (what two processes differ by)
     "grpo_base again": ("configs/grpo_base.yaml", []),
     # the long-tail workload (issue 14): its own baseline, a fixed k, vLLM's static schedule, the controller

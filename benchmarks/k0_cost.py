@@ -60,14 +60,17 @@ LIKE_DEFAULT = {
     "no speculation": ([f"{SPEC}=null", f"{CONTROL}.mode=off"], None),
     "k=0 everywhere, fast path": ([f"{CONTROL}.mode=fixed"], 0),
     "fast path, k=3 at 1 request": (
-        [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,1,3],[2,1024,0]]"],
+        [f"{CONTROL}.mode=fixed", f"{CONTROL}.draft_below=2"],
         None,
     ),
     "the earlier default (k=3)": ([f"{CONTROL}.mode=off"], None),
     # the control: a second engine without speculation, so the spread between two processes running the
     # same code shows beside the floor (--engines)
     "no speculation, a second engine": ([f"{SPEC}=null", f"{CONTROL}.mode=off"], None),
-    "the controller (adaptive, k <= 4)": ([f"{CONTROL}.mode=adaptive", f"{CONTROL}.k_max=4"], None),
+    "the controller (adaptive, k <= 4)": (
+        [f"{CONTROL}.mode=adaptive", f"{CONTROL}.k_max=4", f"{CONTROL}.draft_below=null"],
+        None,
+    ),
 }
 LIKE_DEFAULT_SHOWN = list(LIKE_DEFAULT)[:4]  # the default --engines
 SCHEDULE = [[1, 1, 3], [2, 1024, 0]]

@@ -154,6 +154,20 @@ def test_cpu_costs_speculate_at_small_batch_and_choose_near_the_best_k():
     assert ks[0] >= 3 and ks[-1] == 0, ks
 
 
+def test_draft_below_keeps_the_bulk_at_k0():
+    """With ``draft_below`` the controller never drafts, nor explores, from that many running requests up, even on
+    the cheap table where k_max pays everywhere (the test above: k_max in every bucket without it); below the
+    threshold it still finds k_max."""
+    ctl = controller(settings(draft_below=16), initial_k=0)
+    pushed, step = [], ctl.step
+    ctl.step = lambda rec, b: pushed.append(step(rec, b)) or pushed[-1]  # every lookup it sets, warm-up's too
+    run(CHEAP, ctl=ctl)
+    lookups = [lk for lk in pushed if lk is not None]
+    assert lookups and all(k == 0 for lk in lookups for b, k in enumerate(lk) if b >= 16), lookups
+    assert all(ctl.explored[j] == 0 for j, (lo, _) in enumerate(ctl.ranges) if lo >= 16), ctl.explored
+    assert min(chosen(ctl)[:4]) >= K - 1, chosen(ctl)
+
+
 def test_without_exploration_it_cannot_leave_its_initial_lookup():
     """Negative control: the results above come from measured costs, not from a default."""
     assert chosen(run(DEAR, explore=0.0, initial_k=3)) == [3] * 7

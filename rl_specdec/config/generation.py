@@ -49,6 +49,9 @@ class SpeculationControlConfig:
     mode: str = "off"
     k_max: Optional[int] = None  # the most k may be; default: speculative_config.num_speculative_tokens
     k0_fast_path: bool = True  # k=0 steps skip the drafter (catch-up later); false: vLLM's own path (slower, correct)
+    # a concurrency threshold (fixed, adaptive): draft only while fewer requests than this run, k=0 from there up
+    # (through the fast path); null: no threshold. With it, auto runs this rule instead of the controller.
+    draft_below: Optional[int] = None
     buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # batch-size bucket lower bounds
     explore: float = 0.03  # fraction of steps that try another k (adaptive)
     explore_steps: int = 4  # steps per exploration burst

@@ -98,8 +98,9 @@ def validate_drafter_training(gen: GenerationConfig) -> None:
 def validate_speculation_control(gen: GenerationConfig) -> None:
     """Run-time k: its numbers, and an engine it can run in (draft_model, a UniProc executor, no async scheduling).
 
-    ``auto`` resolves here: ``adaptive`` where run-time k can run, else ``off`` (vLLM's own k), so that
-    switching speculation off or to another method stays one key."""
+    ``auto`` resolves here: where run-time k can run, ``fixed`` when ``draft_below`` is set (a rule: nothing to
+    measure) and ``adaptive`` otherwise; elsewhere ``off`` (vLLM's own k), so that switching speculation off or to
+    another method stays one key. ``off`` ignores ``draft_below``, as it ignores the controller's keys."""
     c = gen.speculation_control
     if str(c.mode).lower() == "false":  # YAML 1.1 reads a bare `off` as false
         c.mode = "off"
@@ -107,12 +108,29 @@ def validate_speculation_control(gen: GenerationConfig) -> None:
         raise ConfigError(f"{CONTROL_KEY}.mode={c.mode!r} must be one of {', '.join(CONTROL_MODES)}.")
     problem = _control_engine_problem(gen) if c.mode != "off" else None
     if c.mode == "auto":
-        c.mode = "off" if problem else "adaptive"
+        c.mode = "off" if problem else "fixed" if c.draft_below is not None else "adaptive"
     if c.mode == "off":
         return
     if problem:
         raise ConfigError(problem)
     _check_control_numbers(c, configured_k(gen.vllm_kwargs["speculative_config"]))
+    _check_draft_below(c, gen.vllm_kwargs["speculative_config"])
+
+
+def _check_draft_below(c: SpeculationControlConfig, spec: dict) -> None:
+    if c.draft_below is None:
+        return
+    key = f"{CONTROL_KEY}.draft_below"
+    if isinstance(c.draft_below, bool) or not isinstance(c.draft_below, int) or c.draft_below < 2:
+        raise ConfigError(
+            f"{key}={c.draft_below!r} must be a whole number >= 2 (drafting happens while fewer requests than it run; "
+            "32 drafts at 1 to 31), or null for no threshold."
+        )
+    if spec.get("num_speculative_tokens_per_batch_size"):
+        raise ConfigError(
+            f"{key}={c.draft_below} and speculative_config.num_speculative_tokens_per_batch_size both say where to "
+            "draft: keep one (remove the schedule, or set draft_below=null)."
+        )
 
 
 def _check_control_numbers(c: SpeculationControlConfig, k: int) -> None:

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from rl_specdec.config.generation import SpeculationControlConfig
-from rl_specdec.rollout.runtime_k.controller import Controller, bucket_ranges, ks_of
+from rl_specdec.rollout.runtime_k.controller import Controller, below, bucket_ranges, ks_of
 from rl_specdec.rollout.runtime_k.metrics import Tally
 from rl_specdec.rollout.runtime_k.selfcheck import SelfCheck, SelfCheckHooks
 from rl_specdec.vllm_ext import worker as vx
@@ -85,13 +85,14 @@ class SpecControl:
         self.sched.spec_set_lookup([0] + [int(k)] * (len(self.initial) - 1))
 
     def set_k_max(self, k: int) -> list[int]:
-        """``fixed``: k everywhere; ``adaptive``: the controller never chooses more than k. 0 turns speculation off."""
+        """``fixed``: k everywhere (below ``draft_below``, if set); ``adaptive``: the controller never chooses more
+        than k. 0 turns speculation off."""
         if not 0 <= int(k) <= self.k_max:
             raise ValueError(f"k must be in 0..{self.k_max} (speculation_control.k_max), got {k}")
         if self.controller is not None:
             self.sched.spec_set_lookup(self.controller.set_cap(k))
         else:
-            self.set_uniform(k)
+            self.sched.spec_set_lookup(below([0] + [int(k)] * (len(self.initial) - 1), self.config.draft_below))
         return list(self.sched.dynamic_sd_lookup)
 
     def report(self) -> dict[str, Any]:

@@ -57,6 +57,9 @@ but only where it could pay and only while it can afford it:
   time, every exploring step spends its time less the time the bucket's choice
   would take for the same tokens, and a burst starts only with budget left. So
   exploration costs at most about ``explore`` of the time.
+
+With ``draft_below`` set (a concurrency threshold) it never drafts, nor
+explores, from that many running requests up: its lookup is 0 there.
 """
 
 from __future__ import annotations
@@ -96,6 +99,13 @@ def lookup_from(ranges: list[tuple[int, int]], ks: list[int]) -> list[int]:
     for (lo, hi), k in zip(ranges, ks):
         out += [int(k)] * (hi - lo + 1)
     return out
+
+
+def below(lookup: list[int], draft_below: int | None) -> list[int]:
+    """``lookup`` (index: running requests) with k=0 from ``draft_below`` running requests up (unchanged if None)."""
+    if draft_below is None:
+        return list(lookup)
+    return [k if b < draft_below else 0 for b, k in enumerate(lookup)]
 
 
 def ks_of(ranges: list[tuple[int, int]], lookup: list[int]) -> list[float]:
@@ -253,7 +263,8 @@ class Controller:
     def _explore(self, j: int) -> None:
         """Maybe start a burst of another k in bucket j."""
         ready, explore = self.cost.ready(self.cap), self.config.explore
-        if self.cap == 0 or explore == 0:
+        above = self.config.draft_below is not None and self.los[j] >= self.config.draft_below
+        if self.cap == 0 or explore == 0 or above:  # above: a bucket the threshold keeps at k=0
             return
         if ready and self.budget > 0 and self.choice[j] == 0:
             k = self.unproven(j)
@@ -311,7 +322,7 @@ class Controller:
         if self.burst is not None:
             for j in range(len(ks)) if self.burst[0] is None else [self.burst[0]]:
                 ks[j] = self.burst[1]
-        return lookup_from(self.ranges, ks)
+        return below(lookup_from(self.ranges, ks), self.config.draft_below)
 
     def step(self, rec, b_next: int) -> list[int] | None:
         """Learn from ``rec`` (the step that just finished); ``b_next``: the batch of the step starting now.

@@ -7,8 +7,11 @@ Modes:
 * ``fixed``: k is what ``speculative_config`` says at start (its k, or its
   schedule as the initial lookup) and changes only when asked
   (``RolloutEngine.set_speculation``); k=0 runs through the fast path.
+  ``draft_below`` (a concurrency threshold) makes the lookup k below it and
+  0 from it up, and keeps it so when k is set.
 * ``adaptive``: the controller in each engine chooses k in 0..``k_max`` per
-  batch-size bucket from live measurements (:mod:`.controller`).
+  batch-size bucket from live measurements (:mod:`.controller`), only below
+  ``draft_below`` when it is set.
 
 For ``fixed`` and ``adaptive`` each engine is started in vLLM's dynamic-k mode
 (``num_speculative_tokens_per_batch_size``) with ``num_speculative_tokens =
@@ -41,5 +44,7 @@ def engine_kwargs(vllm_kwargs: dict[str, Any], control: SpeculationControlConfig
     k = configured_k(spec)
     spec["num_speculative_tokens"] = max(int(control.k_max or k), k)
     schedule = spec.get("num_speculative_tokens_per_batch_size") or [[1, SCHEDULE_END, k]]
+    if control.draft_below is not None:  # the concurrency threshold: k below it, 0 (the fast path) from it up
+        schedule = [[1, control.draft_below - 1, k], [control.draft_below, SCHEDULE_END, 0]]
     spec["num_speculative_tokens_per_batch_size"] = schedule
     return {**vllm_kwargs, "speculative_config": spec, "scheduler_cls": SCHEDULER_QUALNAME}
