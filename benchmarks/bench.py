@@ -56,6 +56,7 @@ import overlap_runs
 import peer_trl
 import precision_runs
 import rollout
+import rollout_report
 from bench_runs import (  # noqa: F401  (run_grpo: benchmarks/runtime_libs.py calls bench.run_grpo)
     build_models,
     combine_seeds,
@@ -207,7 +208,7 @@ def section_rollout(b: Bench) -> None:
     if b.args.report_only or reuse:
         res = json.loads(saved.read_text())
         log(f"  reusing {saved}" if reuse else f"  reading {saved}")
-        rollout.plot_methods(res["methods"], b.out / "rollout.png")
+        rollout_report.plot_methods(res["methods"], b.out / "rollout.png")
     else:
         res = rollout.run(ra, print_tables=False)
     b.results["rollout"] = res
@@ -219,10 +220,10 @@ def section_rollout(b: Bench) -> None:
         ]
     b.emit(
         "Rollout speed-up over no speculation (one engine, all cores)",
-        rollout.speedup_table(res["methods"]),
+        rollout_report.speedup_table(res["methods"]),
         "rollout.png",
     )
-    b.emit("Rollout throughput, every cell", rollout.method_table(res["methods"]))
+    b.emit("Rollout throughput, every cell", rollout_report.method_table(res["methods"]))
 
 
 def grpo_runs(b: Bench) -> dict[str, dict[int, list[dict]]]:
