@@ -153,12 +153,16 @@ def test_three_turn_conversation_keeps_the_models_tokens(url, tokenizer):
         msg = r.choices[0].message.to_dict()  # the extra fields come back with the message
         return msg, r.choices[0].finish_reason
 
-    m1, f1 = turn([{"role": "user", "content": "31415"}], max_tokens=30)
+    # the first prompt whose greedy answer stops (the toy's answers differ with the machine that trained it)
+    for first in ("31415", "2718", "4321", "90817"):
+        m1, f1 = turn([{"role": "user", "content": first}], max_tokens=30)
+        if f1 == "stop":
+            break
     assert f1 == "stop" and m1["generation_token_ids"][-1] == tokenizer.eos_token_id
-    assert m1["prompt_token_ids"] == tokenizer.encode("31415=")
+    assert m1["prompt_token_ids"] == tokenizer.encode(first + "=")
     assert len(m1["generation_token_ids"]) > 1 and m1["content"]
 
-    history = [{"role": "user", "content": "31415"}, dict(m1, content=""), {"role": "user", "content": "27"}]
+    history = [{"role": "user", "content": first}, dict(m1, content=""), {"role": "user", "content": "27"}]
     m2, f2 = turn(history, max_tokens=3)
     assert f2 == "length" and len(m2["generation_token_ids"]) == 3
     turn1 = m1["prompt_token_ids"] + m1["generation_token_ids"]
