@@ -76,6 +76,7 @@ from bench_variants import (
     REPO,
     baseline_of,
     family,
+    lockstep_memory_problem,
     spec_label,
 )
 from rollout import log
@@ -181,6 +182,8 @@ def parse(argv) -> Bench:
             p.error(f"--variants: unknown variant {n!r}; choose from {'; '.join(GRPO_VARIANTS)}")
     if args.lockstep and (bad := OVERLAP_VARIANTS & set(names)):
         p.error(f"--lockstep: {', '.join(sorted(bad))} generate beside training, outside the baton; run without it")
+    if args.lockstep and (why := lockstep_memory_problem(names)):
+        p.error(why)
     if ("peer" in sections or "staleness" in sections) and "grpo" not in sections:
         # the rows peer and cost compare against
         names = [
