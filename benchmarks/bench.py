@@ -56,6 +56,7 @@ import overlap_runs
 import peer_trl
 import precision_runs
 import rollout
+import rollout_report
 from bench_runs import (  # noqa: F401  (run_grpo: benchmarks/runtime_libs.py calls bench.run_grpo)
     build_models,
     combine_seeds,
@@ -75,6 +76,7 @@ from bench_variants import (
     REPO,
     baseline_of,
     family,
+    lockstep_memory_problem,
     spec_label,
 )
 from rollout import log
@@ -180,6 +182,8 @@ def parse(argv) -> Bench:
             p.error(f"--variants: unknown variant {n!r}; choose from {'; '.join(GRPO_VARIANTS)}")
     if args.lockstep and (bad := OVERLAP_VARIANTS & set(names)):
         p.error(f"--lockstep: {', '.join(sorted(bad))} generate beside training, outside the baton; run without it")
+    if args.lockstep and (why := lockstep_memory_problem(names)):
+        p.error(why)
     if ("peer" in sections or "staleness" in sections) and "grpo" not in sections:
         # the rows peer and cost compare against
         names = [
@@ -207,7 +211,7 @@ def section_rollout(b: Bench) -> None:
     if b.args.report_only or reuse:
         res = json.loads(saved.read_text())
         log(f"  reusing {saved}" if reuse else f"  reading {saved}")
-        rollout.plot_methods(res["methods"], b.out / "rollout.png")
+        rollout_report.plot_methods(res["methods"], b.out / "rollout.png")
     else:
         res = rollout.run(ra, print_tables=False)
     b.results["rollout"] = res
@@ -219,10 +223,10 @@ def section_rollout(b: Bench) -> None:
         ]
     b.emit(
         "Rollout speed-up over no speculation (one engine, all cores)",
-        rollout.speedup_table(res["methods"]),
+        rollout_report.speedup_table(res["methods"]),
         "rollout.png",
     )
-    b.emit("Rollout throughput, every cell", rollout.method_table(res["methods"]))
+    b.emit("Rollout throughput, every cell", rollout_report.method_table(res["methods"]))
 
 
 def grpo_runs(b: Bench) -> dict[str, dict[int, list[dict]]]:

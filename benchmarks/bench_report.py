@@ -17,7 +17,7 @@ from bench_variants import (
     baseline_of,
     family,
 )
-from rollout import fmt
+from rollout_report import fmt
 
 
 # ---- tables -----------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import drafter_life  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
@@ -156,6 +157,30 @@ PHASES = ("generation", "train", "refit", "validation", "reward", "prompts")
 def family(name: str) -> str:
     """The workload a variant runs: "" (the default task), "longtail" or "wide"."""
     return next((f for f in ("longtail", "wide") if name.startswith(f + " ")), "")
+
+
+# A wide-pair run's processes in a lockstep ring (measured, fp32): its engine 2.4 GB, its policy worker 2.4-2.6 GB
+# idle and 4.2 GB in its train step, its driver and checksummer 0.5 GB each. Only the baton's holder trains.
+WIDE_IDLE_GIB, WIDE_TRAIN_GIB = 6.0, 2.0
+RAY_KILL_FRACTION = 0.95  # Ray's memory monitor kills workers above this share of the machine's memory
+
+
+def lockstep_memory_problem(names: list[str], total_gib: float | None = None) -> str | None:
+    """Why a lockstep ring of ``names`` would not fit ``total_gib`` of memory (default: this machine's; every run
+    stays alive while the others take their turns), with the fix; None where it fits. Only the wide pair's runs
+    are counted: the toy's are small."""
+    if total_gib is None:
+        total_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    wide = [n for n in names if family(n) == "wide"]
+    need = len(wide) * WIDE_IDLE_GIB + (WIDE_TRAIN_GIB if wide else 0.0)
+    if need <= RAY_KILL_FRACTION * total_gib:
+        return None
+    fits = max(1, int((RAY_KILL_FRACTION * total_gib - WIDE_TRAIN_GIB) // WIDE_IDLE_GIB))
+    return (
+        f"--lockstep keeps every variant's runs alive at once: {len(wide)} runs of the wide pair need about "
+        f"{need:.0f} GiB, and Ray kills workers above {RAY_KILL_FRACTION:.0%} of this machine's {total_gib:.0f} GiB. "
+        f"Give at most {fits} wide variants per invocation (with 'wide base'), or run without --lockstep."
+    )
 
 
 def baseline_of(name: str) -> str:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from rollout import fmt
+from rollout_report import fmt
 
 SPEC = "policy.generation.vllm_kwargs.speculative_config"
 ONLINE = "policy.generation.drafter_training.enabled=true"

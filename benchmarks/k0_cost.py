@@ -241,7 +241,7 @@ def parts_table(parts: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--rounds", type=int, default=9, help="timed calls per engine and seed (after 2 warm-up rounds)")
@@ -279,6 +279,13 @@ def main(argv=None) -> int:
             p.error(f"--engines: unknown engine {n!r}; choose from {'; '.join(LIKE_DEFAULT)}")
     if "no speculation" not in chosen:
         p.error("--engines: include 'no speculation', the reference of every ratio")
+    args.chosen = chosen
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    chosen = args.chosen
     import ray
 
     from rl_specdec.toy.build import build_tokenizer, build_toy_models

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 
-from rollout import fmt
+from rollout_report import fmt
 
 
 def per_run(rows: list[dict]) -> dict:

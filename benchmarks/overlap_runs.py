@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 
 import precision_runs
-from rollout import fmt
+from rollout_report import fmt
 
 OFF = ["grpo.max_staleness=1"]
 _LONGTAIL_STEPS = ["grpo.max_steps=30"]  # the long-tail config's own length, whatever --steps says

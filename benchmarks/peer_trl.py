@@ -38,13 +38,13 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print, overrides: l
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from rl_specdec.config import load_config
     from rl_specdec.tasks import make_task
 
     cfg = load_config(config_path, overrides or [])
-    g, gen = cfg.grpo, cfg.policy.generation
+    g = cfg.grpo
     model_path = cfg.policy.model_name  # resolved to the toy checkpoint's folder by load_config
     task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
     pool = task.pool() if getattr(task, "dataset_size", 0) else task.make_batch(seed=cfg.seed, n=1024)
@@ -56,34 +56,7 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print, overrides: l
         return [task.score(c.strip(), a, eos in ids).reward for c, a, ids in zip(completions, answer, completion_ids)]
 
     B = g.num_prompts_per_step * g.num_generations_per_prompt
-    mb = min(cfg.policy.micro_batch_size, B)
-    args = GRPOConfig(
-        output_dir=str(out_dir / "trl_out"),
-        max_steps=steps,
-        per_device_train_batch_size=mb,
-        gradient_accumulation_steps=B // mb,  # one optimizer step per B completions, as in rl_specdec
-        num_generations=g.num_generations_per_prompt,
-        max_completion_length=gen.max_new_tokens,
-        temperature=gen.temperature,
-        top_p=gen.top_p,
-        learning_rate=cfg.policy.learning_rate,
-        weight_decay=cfg.policy.weight_decay,
-        max_grad_norm=cfg.policy.max_grad_norm,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        beta=g.kl_coef,
-        epsilon=g.clip_eps,
-        num_iterations=1,
-        scale_rewards="group" if g.normalize_std else "none",
-        use_cpu=not torch.cuda.is_available(),
-        bf16=cfg.policy.precision == "bf16-mixed",  # HF Trainer's bf16: autocast over fp32 weights, as bf16-mixed
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=cfg.seed,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+    args = trl_config(cfg, steps, out_dir)
 
     times: dict[str, list[float]] = {"step": [], "generate": []}
     logs: list[dict] = []
@@ -125,6 +98,53 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print, overrides: l
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
+    rows = step_rows(times, logs, B)
+    summary = summarize(rows, skip_first=1 if len(rows) > 1 else 0)
+    summary.update(
+        wall_s=wall, steps=steps, batch=B, generation="transformers.generate", trl_version=__import__("trl").__version__
+    )
+    return {"rows": rows, "summary": summary}
+
+
+def trl_config(cfg, steps: int, out_dir: Path):
+    """TRL's GRPOConfig for the same run as rl_specdec's ``cfg``: batch, lengths, sampling, optimizer, loss."""
+    import torch
+    from trl import GRPOConfig
+
+    g, gen = cfg.grpo, cfg.policy.generation
+    B = g.num_prompts_per_step * g.num_generations_per_prompt
+    mb = min(cfg.policy.micro_batch_size, B)
+    return GRPOConfig(
+        output_dir=str(out_dir / "trl_out"),
+        max_steps=steps,
+        per_device_train_batch_size=mb,
+        gradient_accumulation_steps=B // mb,  # one optimizer step per B completions, as in rl_specdec
+        num_generations=g.num_generations_per_prompt,
+        max_completion_length=gen.max_new_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        learning_rate=cfg.policy.learning_rate,
+        weight_decay=cfg.policy.weight_decay,
+        max_grad_norm=cfg.policy.max_grad_norm,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        beta=g.kl_coef,
+        epsilon=g.clip_eps,
+        num_iterations=1,
+        scale_rewards="group" if g.normalize_std else "none",
+        use_cpu=not torch.cuda.is_available(),
+        bf16=cfg.policy.precision == "bf16-mixed",  # HF Trainer's bf16: autocast over fp32 weights, as bf16-mixed
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=cfg.seed,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
+def step_rows(times: dict[str, list[float]], logs: list[dict], B: int) -> list[dict]:
+    """One row per TRL step: its time, its rollout's time, tokens and reward."""
     tokens = [lg["completions/mean_length"] * B for lg in logs]
     rows = []
     for i, t in enumerate(times["step"]):
@@ -139,11 +159,7 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print, overrides: l
                 "reward": logs[i].get("reward") if i < len(logs) else None,
             }
         )
-    summary = summarize(rows, skip_first=1 if len(rows) > 1 else 0)
-    summary.update(
-        wall_s=wall, steps=steps, batch=B, generation="transformers.generate", trl_version=__import__("trl").__version__
-    )
-    return {"rows": rows, "summary": summary}
+    return rows
 
 
 def summarize(rows: list[dict], skip_first: int = 1) -> dict:

@@ -22,7 +22,7 @@ import json
 import statistics
 from pathlib import Path
 
-from rollout import fmt
+from rollout_report import fmt
 
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     f"{run} {precision}": (f"configs/{run}.yaml", [f"policy.precision={precision}"])

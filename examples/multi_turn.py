@@ -103,7 +103,7 @@ def trajectory(x: dict):
     return Trajectory(x["ids"], x["turns"])
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=4, help="episodes (games) per step")
@@ -114,17 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--len2", type=int, nargs=2, default=(1, 2), metavar=("MIN", "MAX"), help="digits added in turn 2")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
 
     import ray
 
     from rl_specdec.config import GenerationConfig, PolicyConfig, validate_vllm_kwargs
-    from rl_specdec.grpo import ClippedPGLoss, group_advantages
-    from rl_specdec.grpo.batch import build_train_batch
-    from rl_specdec.metrics import aggregate_spec_decode_counters, compute_spec_decode_metrics
     from rl_specdec.policy import PolicyGroup
     from rl_specdec.rollout.group import AsyncVllmGeneration
-    from rl_specdec.tasks.sorting import SortingTask
     from rl_specdec.toy.build import build_tokenizer, build_toy_models
     from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE, toy_engine_kwargs, usable_cores
 
@@ -158,35 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             ),
             seed=args.seed,
         )
-        loss_fn = ClippedPGLoss(clip_eps=0.2)
-        task = SortingTask(max_len=24)
         for step in range(args.steps):
-            ts = time.time()
-            rng = random.Random(args.seed * 1_000_003 + step)
-            episodes = [make_episode(rng, args.len1, args.len2) for _ in range(args.prompts)]
-            before = aggregate_spec_decode_counters(gen.engine_counters())  # the engine serves only this step
-            trajs = asyncio.run(
-                rollouts(base_url, "toy", episodes, args.group, args.max_tokens, seed=args.seed * 7919 + step * 10_007)
-            )
-            spec_m = compute_spec_decode_metrics(before, aggregate_spec_decode_counters(gen.engine_counters()))
-            t_gen = time.time() - ts
-            scores = [[task.score(*ans) for ans in x["answers"]] for x in trajs]  # [P*G][2 turns]
-            rewards = torch.tensor([sum(s.reward for s in sc) / len(sc) for sc in scores])  # [P*G]
-            adv = group_advantages(rewards, args.group)  # [P*G]
-            m = policy.train_step(build_train_batch([trajectory(x) for x in trajs], adv, tok.pad_token_id), loss_fn)
-            gen.update_weights(policy.state_dict_for_refit())
-            acc1 = sum(sc[0].correct for sc in scores) / len(scores)
-            acc2 = sum(sc[1].correct for sc in scores) / len(scores)
-            ntok = sum(len(ids) for x in trajs for _, ids, _ in x["turns"])
-            line = (
-                f"step {step + 1}/{args.steps}: reward {rewards.mean():.3f} accuracy turn 1 {acc1:.2f} turn 2 "
-                f"{acc2:.2f} "
-                f"model tokens {ntok} logprob_mismatch {m['logprob_mismatch']:.2e} "
-                f"gen {t_gen:.1f}s step {time.time() - ts:.1f}s"
-            )
-            if spec_m:
-                line += f" acceptance_length {spec_m['spec_decode/acceptance_length']:.2f}"
-            print(line, flush=True)
+            trajs = _step(args, step, gen, base_url, policy, tok)
         x = trajs[0]
         print(
             f"example trajectory: {tok.decode(x['ids'])!r} (want {x['answers'][0][1]!r}, then {x['answers'][1][1]!r})"
@@ -198,6 +171,45 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     print(f"done in {time.time() - t0:.0f}s")
     return 0
+
+
+def _step(args: argparse.Namespace, step: int, gen, base_url: str, policy, tok) -> list[dict]:
+    """One GRPO step: play the games over HTTP, score both turns, train, refit; prints one line, returns the
+    trajectories."""
+    from rl_specdec.grpo import ClippedPGLoss, group_advantages
+    from rl_specdec.grpo.batch import build_train_batch
+    from rl_specdec.metrics import aggregate_spec_decode_counters, compute_spec_decode_metrics
+    from rl_specdec.tasks.sorting import SortingTask
+
+    task = SortingTask(max_len=24)
+    ts = time.time()
+    rng = random.Random(args.seed * 1_000_003 + step)
+    episodes = [make_episode(rng, args.len1, args.len2) for _ in range(args.prompts)]
+    before = aggregate_spec_decode_counters(gen.engine_counters())  # the engine serves only this step
+    trajs = asyncio.run(
+        rollouts(base_url, "toy", episodes, args.group, args.max_tokens, seed=args.seed * 7919 + step * 10_007)
+    )
+    spec_m = compute_spec_decode_metrics(before, aggregate_spec_decode_counters(gen.engine_counters()))
+    t_gen = time.time() - ts
+    scores = [[task.score(*ans) for ans in x["answers"]] for x in trajs]  # [P*G][2 turns]
+    rewards = torch.tensor([sum(s.reward for s in sc) / len(sc) for sc in scores])  # [P*G]
+    adv = group_advantages(rewards, args.group)  # [P*G]
+    batch = build_train_batch([trajectory(x) for x in trajs], adv, tok.pad_token_id)
+    m = policy.train_step(batch, ClippedPGLoss(clip_eps=0.2))
+    gen.update_weights(policy.state_dict_for_refit())
+    acc1 = sum(sc[0].correct for sc in scores) / len(scores)
+    acc2 = sum(sc[1].correct for sc in scores) / len(scores)
+    ntok = sum(len(ids) for x in trajs for _, ids, _ in x["turns"])
+    line = (
+        f"step {step + 1}/{args.steps}: reward {rewards.mean():.3f} accuracy turn 1 {acc1:.2f} turn 2 "
+        f"{acc2:.2f} "
+        f"model tokens {ntok} logprob_mismatch {m['logprob_mismatch']:.2e} "
+        f"gen {t_gen:.1f}s step {time.time() - ts:.1f}s"
+    )
+    if spec_m:
+        line += f" acceptance_length {spec_m['spec_decode/acceptance_length']:.2f}"
+    print(line, flush=True)
+    return trajs
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def _epilog() -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -69,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--verbose", action="store_true", help="show vLLM's and Ray's logs (logger.level=info)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     overrides = list(args.overrides) + (["logger.level=info"] if args.verbose else [])
 
     from rl_specdec.metrics.console import configure_console
@@ -89,7 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg))
         return 0
     configure_console(cfg.logger.level)
+    return _run(cfg, args)
 
+
+def _run(cfg, args: argparse.Namespace) -> int:
+    """Train; one line on the console for the outcome, and the exit code (0 done, 1 error, 2 config error,
+    130/143 stopped by a signal)."""
+    from rl_specdec.config import ConfigError
     from rl_specdec.errors import (
         CheckpointDamaged,
         CheckpointWriteFailed,

@@ -330,3 +330,18 @@ def assert_adam_first_step(
         expected = before[name].double() - update
         err = (w.double() - expected).abs()
         assert (err <= 2 * torch.finfo(torch.float32).eps * expected.abs() + 1e-10).all(), (name, err.max().item())
+
+
+def perturbed_state_dict(hf_policy, scale=0.3, seed=0):
+    """``hf_policy``'s weights plus Gaussian noise of ``scale`` times each tensor's std (tied embeddings kept
+    tied): new weights for a refit."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for k, v in hf_policy.state_dict().items():
+        noise = torch.randn(v.shape, generator=gen, dtype=v.dtype) * (v.std() if v.numel() > 1 else 0.0) * scale
+        sd[k] = (v + noise).contiguous()
+    if hf_policy.config.tie_word_embeddings and "lm_head.weight" in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    return sd

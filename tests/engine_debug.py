@@ -37,8 +37,9 @@ class Cycle:
 class DebugExtension(RlSpecdecExtension):
     def rl_specdec_spec_debug(self, **kw) -> dict[str, Any]:
         """``cycle`` (uniform k per step from a list, None: stop), ``plan`` ([(steps, k)]: k after that many
-        steps), ``record_drafts`` (bool), ``catch_up`` (bool), ``max_catch_up_tokens`` (int). Returns the
-        first drafts recorded so far and the fast path's counters."""
+        steps), ``record_drafts`` (bool), ``catch_up`` (bool), ``max_catch_up_tokens`` (int), ``record_steps``
+        (True: from now on). Returns the first drafts recorded so far, the fast path's counters and the engine
+        steps recorded since the last call ([requests scheduled, drafts made for the next step, plain])."""
         st = self._spec()
         if "_rl_debug_cycle" not in self.__dict__:
             self.__dict__["_rl_debug_cycle"] = Cycle(st.set_uniform)
@@ -53,9 +54,14 @@ class DebugExtension(RlSpecdecExtension):
             st.fp.catch_up_on = bool(kw["catch_up"])
         if "max_catch_up_tokens" in kw:
             st.fp.max_catch_up_tokens = int(kw["max_catch_up_tokens"])
+        steps = self.__dict__.setdefault("_rl_debug_steps", [])
+        if kw.get("record_steps") and not self.__dict__.get("_rl_debug_recording"):
+            self.__dict__["_rl_debug_recording"] = True
+            st.fp.listeners.append(lambda done, so: steps.append([done.b, done.k_next, done.plain]))
         # plain lists cross any RPC
         drafts = [[list(prompt), sorted(d.items())] for prompt, d in st.hooks.take_drafts().items()]
-        return {"first_drafts": drafts, "stats": dict(st.fp.stats)}
+        taken, steps[:] = list(steps), []
+        return {"first_drafts": drafts, "stats": dict(st.fp.stats), "steps": taken}
 
 
 class DebugVllmWorker(VllmWorker):

@@ -89,6 +89,10 @@ def test_summary_line_says_what_runs():
         "CPU sampling fix applied",
     ):
         assert part in line, (part, line)
+    threshold = dict(CPU_DRAFT, **{"speculation_control/mode": "fixed", "speculation_control/k_max": 3})
+    assert "k chosen at run time (fixed, 0..3, k=0 through" in settings.summary_line(threshold, 1)
+    threshold["speculation_control/draft_below"] = 32
+    assert "(fixed, 0..3, drafting below 32 running requests," in settings.summary_line(threshold, 1)
     assert "no speculation" in settings.summary_line(
         {k: v for k, v in CPU_DRAFT.items() if not k.startswith("speculative/")}, 1
     )

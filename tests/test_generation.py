@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import (
     DIST_PROMPT,
@@ -33,6 +32,7 @@ from conftest import (
     hf_greedy,
     hf_token_logprobs,
     module_engine,
+    perturbed_state_dict,
     position_test,
     start_engine,
     wait_until,
@@ -285,21 +285,10 @@ def test_calibration_statistic_detects_the_bug_by_itself(eng_nofix, tokenizer):
 # ---- refit ---------------------------------------------------------------------------------------------
 
 
-def _perturbed_state_dict(hf_policy, scale=0.3, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    sd = {}
-    for k, v in hf_policy.state_dict().items():
-        noise = torch.randn(v.shape, generator=gen, dtype=v.dtype) * (v.std() if v.numel() > 1 else 0.0) * scale
-        sd[k] = (v + noise).contiguous()
-    if hf_policy.config.tie_word_embeddings and "lm_head.weight" in sd:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    return sd
-
-
 def test_refit_with_new_weights_matches_transformers(eng_draft, hf_policy, task_prompts, hf_reference, toy):
     import copy
 
-    new_sd = _perturbed_state_dict(hf_policy)
+    new_sd = perturbed_state_dict(hf_policy)
     new_model = copy.deepcopy(hf_policy)
     new_model.load_state_dict(new_sd)
     new_model.eval()

@@ -73,6 +73,17 @@ def dtypes(tensors) -> set:
     return {t.dtype for t in tensors}
 
 
+def first_step_error(toy, tokenizer, seed: int) -> float:
+    """|g_bf16-mixed - g_fp32| / |g_fp32| of the first step on the batch of ``seed``, from fresh workers."""
+    batch = make_batch(tokenizer, seed=seed)
+    fp32, mixed = started(toy.policy, "fp32"), started(toy.policy, "bf16-mixed")
+    fp32.train_step(batch, LOSS)
+    mixed.train_step(batch, LOSS)
+    g32 = gradient(adam_step(fp32.model.named_parameters(), fp32.opt))
+    g16 = gradient(adam_step(mixed.model.named_parameters(), mixed.opt))
+    return ((g16 - g32).norm() / g32.norm()).item()
+
+
 def test_bf16_mixed_keeps_fp32_master_weights_and_computes_in_bf16(toy, tokenizer):
     batch = make_batch(tokenizer, seed=1)
     fp32, mixed = started(toy.policy, "fp32"), started(toy.policy, "bf16-mixed")
@@ -83,9 +94,11 @@ def test_bf16_mixed_keeps_fp32_master_weights_and_computes_in_bf16(toy, tokenize
     step = adam_step(mixed.model.named_parameters(), mixed.opt)
     assert_adam_first_step(before, step, LR)  # fp32 weights and moments, stepped in fp32
     g32, g16 = gradient(adam_step(fp32.model.named_parameters(), fp32.opt)), gradient(step)
-    err = ((g16 - g32).norm() / g32.norm()).item()
-    # a bf16 computation's error: not fp32's (< 2^-10 even with the bf16 reference), not garbage
-    assert BF16_UNIT / 4 < err < 8 * BF16_UNIT, err
+    errs = [((g16 - g32).norm() / g32.norm()).item()] + [first_step_error(toy, tokenizer, s) for s in (2, 3, 4, 5)]
+    # a bf16 computation's error: not fp32's (< 2^-10 even with the bf16 reference), not garbage. One batch's
+    # error moves from 1.6 to 12 units between batches (the toy's weights differ with the machine that built
+    # them), so the bound is on the median of five
+    assert BF16_UNIT / 4 < sorted(errs)[2] < 8 * BF16_UNIT, errs
     logp, _ = token_logprobs_and_entropy(
         mixed.model, batch["input_ids"], batch["attention_mask"], compute=mixed.compute
     )

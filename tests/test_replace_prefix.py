@@ -1,6 +1,6 @@
 """Unit tests of multi-turn token splicing (no engine): replace_prefix_tokens.
 
-The splice inside the server is tested through a running server (test_multiturn.py, test_agent.py).
+The splice inside the server is tested through a running server (test_openai_wire.py, test_agent.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A vLLM upgrade that moves what rl_specdec/vllm_ext/openai_app.py overrides must
 fail here, before any engine test runs. The behaviour through a running
-server is tested in test_multiturn.py (digit toy) and test_agent.py (tools).
+server is tested in test_multiturn.py and test_openai_wire.py (digit toy) and test_agent.py (tools).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Engines (module-scoped):
 * ``eng_none``      no speculation: the greedy and temperature-1 references;
 * ``eng_fixed``     draft_model, speculation_control ``fixed`` (k settable, k=0 fast path), k_max 3;
 * ``eng_adaptive``  the same with the adaptive controller (k_max 4, exploring a lot);
-* ``eng_async``     ``fixed`` on the async engine (engine core in another process).
+* ``eng_async``     ``fixed`` on the async engine (engine core in another process);
+* ``eng_threshold`` ``fixed`` with ``draft_below=8`` (a concurrency threshold, as the default config).
 
 Every engine with run-time k passed the start-up self-check to get here.
 Lossless is checked three ways while k changes between calls and within
@@ -55,6 +56,17 @@ def eng_adaptive(request, local_ray, toy):
 def eng_async(request, local_ray, toy):
     return module_engine(
         request, toy, draft_spec(toy.drafter), control={"mode": "fixed"}, group_cls=DebugAsyncVllmGeneration
+    )
+
+
+@pytest.fixture(scope="module")
+def eng_threshold(request, local_ray, toy):
+    return module_engine(
+        request,
+        toy,
+        draft_spec(toy.drafter),
+        control={"mode": "fixed", "draft_below": 8},
+        group_cls=DebugVllmGeneration,
     )
 
 
@@ -113,6 +125,32 @@ def test_k_changes_within_one_call(request, name, task_prompts):
         assert 1.0 < drafts_per_draft(out) < 3.0, out.spec_counters
     finally:
         debug(g, plan=[])
+        g.set_speculation(3)
+
+
+def test_a_concurrency_threshold_drafts_only_below_it(eng_threshold, task_prompts, none_greedy):
+    """draft_below=8, read back from the engine: with k=3, then k=2 set at run time, every step with 8 or more
+    requests is plain (the fast path) and drafts nothing, every step with fewer drafts k; greedy output equals
+    no speculation's."""
+    g = eng_threshold
+    assert g.settings["speculation_control/draft_below"] == 8, g.settings
+    debug(g, record_steps=True)
+    try:
+        for k in (3, 2):
+            g.set_speculation(k)
+            out = g.generate(task_prompts, GREEDY)  # 16 prompts of different answer lengths: a tail below 8
+            # [requests scheduled, drafts made for the next step, plain]; a step is recorded when the next one
+            # starts, so the first record is the previous call's last step
+            steps = debug(g)["steps"][1:]
+            assert out.token_ids == none_greedy
+            wide, narrow = [s for s in steps if s[0] >= 8], [s for s in steps if 0 < s[0] < 8]
+            assert wide and narrow, steps
+            assert all(plain and k_next == 0 for _, k_next, plain in wide), wide
+            assert all(k_next == k for _, k_next, _ in narrow), narrow
+            assert drafts_per_draft(out) == k, (out.spec_counters, steps)
+            (report,) = out.spec_control
+            assert [kb for _, _, kb in report["buckets"]] == [k if lo < 8 else 0 for lo, _, _ in report["buckets"]]
+    finally:
         g.set_speculation(3)
 
 

@@ -81,8 +81,12 @@ class SpecControl:
         if new is not None:
             self.sched.spec_set_lookup(new)
 
+    def uniform(self, k: int) -> list[int]:
+        """The lookup with k at every batch size (index: running requests; 0 runs nothing)."""
+        return [0] + [int(k)] * (len(self.initial) - 1)
+
     def set_uniform(self, k: int) -> None:
-        self.sched.spec_set_lookup([0] + [int(k)] * (len(self.initial) - 1))
+        self.sched.spec_set_lookup(self.uniform(k))
 
     def set_k_max(self, k: int) -> list[int]:
         """``fixed``: k everywhere (below ``draft_below``, if set); ``adaptive``: the controller never chooses more
@@ -92,8 +96,18 @@ class SpecControl:
         if self.controller is not None:
             self.sched.spec_set_lookup(self.controller.set_cap(k))
         else:
-            self.sched.spec_set_lookup(below([0] + [int(k)] * (len(self.initial) - 1), self.config.draft_below))
+            self.sched.spec_set_lookup(below(self.uniform(k), self.config.draft_below))
         return list(self.sched.dynamic_sd_lookup)
+
+    def draft_below(self) -> int | None:
+        """The concurrency threshold the engine runs: in ``fixed`` mode read from the lookup it starts each
+        call with (the first batch size from which k is 0 up to ``max_num_seqs``), in ``adaptive`` mode the
+        bound its controller keeps. None where there is no such bound."""
+        if self.mode == "adaptive":
+            return self.config.draft_below
+        lookup = self.initial
+        last = max((b for b, k in enumerate(lookup) if k > 0), default=0)
+        return last + 1 if 0 < last < len(lookup) - 1 else None
 
     def report(self) -> dict[str, Any]:
         stats = dict(self.fp.stats)
@@ -157,6 +171,7 @@ class SpecControlExtension:
             "speculation_control/mode": st.mode,
             "speculation_control/k_max": st.k_max,
             "speculation_control/k0_fast_path": st.fp.plain_steps,
+            "speculation_control/draft_below": st.draft_below(),
             # the schedule vLLM was started with is rl_specdec's vehicle for run-time k, not a setting
             "speculative/num_speculative_tokens_per_batch_size": None,
         }

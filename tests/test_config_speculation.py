@@ -1,0 +1,78 @@
+"""``policy.generation.speculation_control`` at load: ``auto``, the concurrency threshold, and the errors."""
+
+from pathlib import Path
+
+import pytest
+
+from rl_specdec.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "configs" / "grpo_spec.yaml"
+
+
+def test_speculation_control_off_survives_yaml():
+    """`mode: off` is a YAML 1.1 boolean; it must still mean off (from a file and from the command line)."""
+    base = ROOT / "configs/grpo_base_longtail.yaml"
+    assert load_config(base, resolve_models=False).policy.generation.speculation_control.mode == "off"
+    cfg = load_config(SPEC, ["policy.generation.speculation_control.mode=off"], resolve_models=False)
+    assert cfg.policy.generation.speculation_control.mode == "off"
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "policy.generation.vllm_kwargs.speculative_config=null",
+        "policy.generation.vllm_kwargs.speculative_config.method=ngram",
+        "policy.generation.vllm_kwargs.async_scheduling=true",
+    ],
+)
+def test_auto_is_run_time_k_where_it_can_run_and_off_elsewhere(edit):
+    """The default's ``mode: auto`` runs its concurrency threshold (``draft_below``) through run-time k on its
+    draft_model engine, the controller without a threshold, and gives way to vLLM's own k where run-time k cannot
+    run, so switching speculation stays one key; ``adaptive`` asked for there is an error."""
+    mode, below = "policy.generation.speculation_control.mode", "policy.generation.speculation_control.draft_below"
+    assert load_config(SPEC, resolve_models=False).policy.generation.speculation_control.mode == "fixed"
+    assert load_config(SPEC, [f"{below}=null"], resolve_models=False).policy.generation.speculation_control.mode == (
+        "adaptive"
+    )
+    assert load_config(SPEC, [edit], resolve_models=False).policy.generation.speculation_control.mode == "off"
+    with pytest.raises(ConfigError, match="speculation_control.mode=adaptive"):
+        load_config(SPEC, [edit, f"{mode}=adaptive"], resolve_models=False)
+
+
+def test_draft_below_becomes_the_engines_schedule():
+    """``draft_below: 32`` starts the engine with k below 32 running requests and k=0 from 32 up (the fast path);
+    without it the run-time-k engine starts at k everywhere."""
+    from rl_specdec.rollout.runtime_k.engine_args import SCHEDULE_END, engine_kwargs
+
+    def schedule(*overrides):
+        gen = load_config(SPEC, list(overrides), resolve_models=False).policy.generation
+        return engine_kwargs(gen.vllm_kwargs, gen.speculation_control)["speculative_config"][
+            "num_speculative_tokens_per_batch_size"
+        ]
+
+    below = "policy.generation.speculation_control.draft_below"
+    assert schedule() == [[1, 31, 3], [32, SCHEDULE_END, 0]]
+    assert schedule(f"{below}=8") == [[1, 7, 3], [8, SCHEDULE_END, 0]]
+    assert schedule(f"{below}=null") == [[1, SCHEDULE_END, 3]]
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["policy.generation.speculation_control.draft_below=1"], "draft_below=1 must be a whole number >= 2"),
+        (
+            [
+                "policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens_per_batch_size=[[1,8,3],[9,1024,0]]"
+            ],
+            "both say where to draft",
+        ),
+    ],
+)
+def test_bad_draft_below_names_the_key_and_the_fix(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(SPEC, overrides, resolve_models=False)
+    # the control: the same keys load where nothing of run-time k runs (vLLM's own k, as written)
+    load_config(SPEC, [*overrides, "policy.generation.speculation_control.mode=off"], resolve_models=False)
+    with pytest.raises(ConfigError, match="speculation_control.draft_below.*wrong type"):
+        load_config(SPEC, ["policy.generation.speculation_control.draft_below=0.5"], resolve_models=False)

@@ -1,0 +1,117 @@
+"""The layout the project keeps (docs/architecture.md): no file over 400 lines, no function over 80, and
+imports inside ``rl_specdec`` that point one way (no loop, counting imports made inside functions too).
+
+Each checker is shown to fail on a source built to break it (the negative controls)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKED = ("rl_specdec", "benchmarks", "examples", "tests", "scripts")
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 80
+
+
+def too_long(path: str, source: str) -> list[str]:
+    """``path: what`` for the file if it passes MAX_FILE_LINES, and for each function that passes
+    MAX_FUNCTION_LINES (its ``def`` line to its last, decorators not counted)."""
+    out = []
+    if source.count("\n") > MAX_FILE_LINES:
+        out.append(f"{path}: {source.count(chr(10))} lines")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            if n > MAX_FUNCTION_LINES:
+                out.append(f"{path}:{node.lineno} {node.name}: {n} lines")
+    return out
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """{module: the modules of ``sources`` it imports, anywhere in it}; ``sources``: {module: (source, is a
+    package)}. ``from pkg import submodule`` is an edge to the submodule, not to the package."""
+    graph: dict[str, set[str]] = {m: set() for m in sources}
+    for mod, (source, is_pkg) in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                target = node.module or ""
+                if node.level:  # relative: from the module's package, up level - 1
+                    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    target = ".".join(base[: len(base) - node.level + 1] + ([target] if target else []))
+                subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in sources]
+                targets = subs if len(subs) == len(node.names) else [target, *subs]
+            else:
+                continue
+            graph[mod] |= {t for t in targets if t in sources and t != mod}
+    return graph
+
+
+def loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_file_over_400_lines_and_no_function_over_80():
+    found = []
+    for folder in CHECKED:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            found += too_long(str(path.relative_to(ROOT)), path.read_text())
+    assert not found, "split these (docs/architecture.md): " + "; ".join(found)
+
+
+def test_the_size_check_catches_a_long_file_and_a_long_function():
+    long_function = "def f():\n" + "    x = 1\n" * 80
+    assert too_long("a.py", long_function) == ["a.py:1 f: 81 lines"]
+    assert too_long("b.py", "x = 1\n" * 401) == ["b.py: 401 lines"]
+    assert too_long("c.py", "def f():\n" + "    x = 1\n" * 79 + "x = 2\n" * 300) == []
+
+
+def test_imports_inside_the_package_point_one_way():
+    root = ROOT / "rl_specdec"
+    sources = {module_name(p, ROOT): (p.read_text(), p.name == "__init__.py") for p in sorted(root.rglob("*.py"))}
+    graph = import_graph(sources)
+    assert sum(map(len, graph.values())) > 100, "the import graph is nearly empty: the parser misses imports"
+    assert loops(graph) == []
+
+
+def test_the_loop_check_catches_a_loop_made_inside_a_function():
+    sources = {
+        "p": ("from p import a\n", True),
+        "p.a": ("from p.b import g\n", False),
+        "p.b": ("def g():\n    from . import c\n", False),
+        "p.c": ("def h():\n    from p.a import f\n", False),
+    }
+    assert loops(import_graph(sources)) == [["p.a", "p.b", "p.c"]]
+    sources["p.c"] = ("import os\n", False)
+    assert loops(import_graph(sources)) == []
