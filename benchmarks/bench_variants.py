@@ -98,6 +98,10 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         ],
     ),
     "wide adaptive": ("configs/grpo_spec_wide.yaml", []),
+    "wide adaptive from schedule": (  # the controller, starting from the corrected schedule (start: schedule)
+        "configs/grpo_spec_wide.yaml",
+        [f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,2,5],[3,4,4],[5,16,2],[17,1024,0]]"],
+    ),
     "ngram k=3": (
         "configs/grpo_spec.yaml",
         [

@@ -76,3 +76,22 @@ def test_bad_draft_below_names_the_key_and_the_fix(overrides, needle):
     load_config(SPEC, [*overrides, "policy.generation.speculation_control.mode=off"], resolve_models=False)
     with pytest.raises(ConfigError, match="speculation_control.draft_below.*wrong type"):
         load_config(SPEC, ["policy.generation.speculation_control.draft_below=0.5"], resolve_models=False)
+
+
+def test_the_controller_starts_from_a_schedule_when_one_is_set():
+    """``start: null`` resolves to ``schedule`` when speculative_config has a schedule (the controller starts
+    from it) and to ``zero`` otherwise; a bad value, or ``start`` without the controller, names the key."""
+    wide, ctl = ROOT / "configs/grpo_spec_wide.yaml", "policy.generation.speculation_control"
+    sched = (
+        "policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens_per_batch_size=[[1,4,5],[5,1024,0]]"
+    )
+
+    def start(*overrides):
+        return load_config(wide, list(overrides), resolve_models=False).policy.generation.speculation_control.start
+
+    assert start() == "zero" and start(sched) == "schedule"
+    assert start(sched, f"{ctl}.start=zero") == "zero" and start(f"{ctl}.start=schedule") == "schedule"
+    with pytest.raises(ConfigError, match=r"speculation_control\.start='first'.*must be zero"):
+        start(f"{ctl}.start=first")
+    with pytest.raises(ConfigError, match=r"speculation_control\.start=schedule applies to the controller only"):
+        load_config(SPEC, [f"{ctl}.start=schedule"], resolve_models=False)  # the default's threshold: fixed

@@ -93,6 +93,11 @@ def test_summary_line_says_what_runs():
     assert "k chosen at run time (fixed, 0..3, k=0 through" in settings.summary_line(threshold, 1)
     threshold["speculation_control/draft_below"] = 32
     assert "(fixed, 0..3, drafting below 32 running requests," in settings.summary_line(threshold, 1)
+    started = dict(threshold, **{"speculation_control/mode": "adaptive", "speculation_control/start": "schedule"})
+    started["speculative/num_speculative_tokens_per_batch_size"] = [[1, 4, 3], [5, 256, 0]]
+    assert "(adaptive, 0..3, drafting below 32 running requests, starting from [[1, 4, 3], [5, 256, 0]], k=0" in (
+        settings.summary_line(started, 1)
+    )
     assert "no speculation" in settings.summary_line(
         {k: v for k, v in CPU_DRAFT.items() if not k.startswith("speculative/")}, 1
     )

@@ -52,6 +52,10 @@ class SpeculationControlConfig:
     # a concurrency threshold (fixed, adaptive): draft only while fewer requests than this run, k=0 from there up
     # (through the fast path); null: no threshold. With it, auto runs this rule instead of the controller.
     draft_below: Optional[int] = None
+    # where the controller starts (adaptive): zero (warm up, then k=0 until a k>0 measures faster) | schedule
+    # (each bucket at speculative_config's k or schedule, kept until measured otherwise); null: schedule when
+    # speculative_config has num_speculative_tokens_per_batch_size, else zero
+    start: Optional[str] = None
     buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # batch-size bucket lower bounds
     explore: float = 0.03  # fraction of steps that try another k (adaptive)
     explore_steps: int = 4  # steps per exploration burst

@@ -115,6 +115,26 @@ def validate_speculation_control(gen: GenerationConfig) -> None:
         raise ConfigError(problem)
     _check_control_numbers(c, configured_k(gen.vllm_kwargs["speculative_config"]))
     _check_draft_below(c, gen.vllm_kwargs["speculative_config"])
+    _resolve_start(c, gen.vllm_kwargs["speculative_config"])
+
+
+def _resolve_start(c: SpeculationControlConfig, spec: dict) -> None:
+    """Where the controller starts: null resolves to ``schedule`` when speculative_config has one, else ``zero``."""
+    key = f"{CONTROL_KEY}.start"
+    if c.start not in (None, "zero", "schedule"):
+        raise ConfigError(
+            f"{key}={c.start!r} must be zero (warm up, then k=0 until a k>0 measures faster), schedule (start "
+            "from speculative_config's k or num_speculative_tokens_per_batch_size), or null (schedule if one is set)."
+        )
+    if c.mode != "adaptive":
+        if c.start is not None:
+            raise ConfigError(
+                f"{key}={c.start} applies to the controller only, and mode is {c.mode}: remove {key}, or set "
+                f"{CONTROL_KEY}.mode=adaptive."
+            )
+        return
+    if c.start is None:
+        c.start = "schedule" if spec.get("num_speculative_tokens_per_batch_size") else "zero"
 
 
 def _check_draft_below(c: SpeculationControlConfig, spec: dict) -> None:

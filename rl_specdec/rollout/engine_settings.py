@@ -183,6 +183,7 @@ def summary_line(settings: dict[str, Any], num_engines: int) -> str:
             fast = "k=0 fast path" if s.get("speculation_control/k0_fast_path") else "k=0 through vLLM's path"
             below = s.get("speculation_control/draft_below")
             where = f", drafting below {below} running requests" if below else ""
+            where += f", starting from {sched}" if s.get("speculation_control/start") == "schedule" else ""
             k = f"k chosen at run time ({mode}, 0..{s.get('speculation_control/k_max')}{where}, {fast})"
         drafts, rejection = s.get("speculative/draft_sample_method"), s.get("speculative/rejection_sample_method")
         spec = f"{s['speculative/method']} {k} ({drafts} drafts, {rejection} rejection)"

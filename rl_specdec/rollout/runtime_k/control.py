@@ -167,11 +167,14 @@ class SpecControlExtension:
         st = self.__dict__.get("_rl_spec")
         if st is None:
             return {"speculation_control/mode": "off"}
-        return {
+        start = st.config.start if st.mode == "adaptive" else None
+        out = {
             "speculation_control/mode": st.mode,
             "speculation_control/k_max": st.k_max,
             "speculation_control/k0_fast_path": st.fp.plain_steps,
             "speculation_control/draft_below": st.draft_below(),
-            # the schedule vLLM was started with is rl_specdec's vehicle for run-time k, not a setting
-            "speculative/num_speculative_tokens_per_batch_size": None,
+            "speculation_control/start": start,
         }
+        if start != "schedule":  # the schedule vLLM was started with is then run-time k's vehicle, not a setting
+            out["speculative/num_speculative_tokens_per_batch_size"] = None
+        return out

@@ -43,7 +43,8 @@ that k is rated ``min_gain`` above k=0 and has not been measured there for
 ``MIN_MEASURED`` steps: the model is fitted where the steps were (the
 warm-up's at the first call's batch), the gate above needs a measurement in
 the bucket, and a bucket visited a few steps a call would otherwise wait many
-calls for a random draw. Otherwise a step in
+calls for a random draw (not after a schedule, which states a k for every
+bucket). Otherwise a step in
 bucket j starts a burst of ``explore_steps`` steps with probability ``explore /
 explore_steps``, at a k drawn from k=0 and the k rated within
 ``EXPLORE_WITHIN`` of the bucket's best (a burst up from k=0 costs a catch-up),
@@ -57,6 +58,14 @@ but only where it could pay and only while it can afford it:
   time, every exploring step spends its time less the time the bucket's choice
   would take for the same tokens, and a burst starts only with budget left. So
   exploration costs at most about ``explore`` of the time.
+
+**Starting from a schedule** (``start: schedule``): the buckets are split where
+the schedule's k changes (:func:`buckets_for`), each starts at the initial
+lookup's k (speculative_config's schedule) and keeps it until that k has
+been measured there (``MIN_MEASURED`` steps); then the rules above hold, except
+that where the schedule drafts a k>0 needs no ``min_gain`` over k=0 (the
+schedule is the evidence). The warm-up's bursts come out of the exploration
+budget (whole steps counted lost), k=0 first, while the schedule runs.
 
 With ``draft_below`` set (a concurrency threshold) it never drafts, nor
 explores, from that many running requests up: its lookup is 0 there.
@@ -93,6 +102,14 @@ def bucket_ranges(buckets, max_batch: int) -> list[tuple[int, int]]:
     return [(lo, (los[i + 1] - 1) if i + 1 < len(los) else max_batch) for i, lo in enumerate(los)]
 
 
+def buckets_for(config: SpeculationControlConfig, lookup: list[int]) -> list[int]:
+    """The buckets' lower bounds: ``config.buckets``, and from a schedule (``start: schedule``) also every batch
+    size where its k changes, so that each bucket starts at one k of it."""
+    if config.start != "schedule":
+        return list(config.buckets)
+    return sorted(set(config.buckets) | {b for b in range(2, len(lookup)) if lookup[b] != lookup[b - 1]})
+
+
 def lookup_from(ranges: list[tuple[int, int]], ks: list[int]) -> list[int]:
     """The scheduler's dense lookup (index 0 unused) with k = ks[j] over bucket j."""
     out = [0]
@@ -122,9 +139,11 @@ class Controller:
         """``config``: the run's ``speculation_control``; ``k_max``: the engine's largest k; ``max_batch``: its
         max_num_seqs (the lookup has ``max_batch + 1`` entries); ``initial_lookup``: the scheduler's lookup now."""
         self.config = config
-        self.ranges = bucket_ranges(config.buckets, max_batch)
+        self.ranges = bucket_ranges(buckets_for(config, initial_lookup), max_batch)
         self.los = [lo for lo, _ in self.ranges]
         self.choice = [int(round(k)) for k in ks_of(self.ranges, initial_lookup)]
+        # start: schedule: each bucket's k from the initial lookup, kept until measured there (module docstring)
+        self.prior = list(self.choice) if config.start == "schedule" else None
         self.cap = k_max
         self.cost, self.acc = CostModel(config.memory_steps), AcceptanceModel(k_max, config.acceptance_memory)
         self.b_mean = [math.sqrt(lo * hi) for lo, hi in self.ranges]
@@ -180,6 +199,8 @@ class Controller:
         cap = BUDGET_BURSTS * self.config.explore_steps * rec.period_s
         self.budget = min(self.budget + self.config.explore * rec.period_s, cap)
         rates = self.rates[j]
+        if exploring and self.warming and self.prior is not None:
+            self.budget -= rec.period_s  # a warm-up burst away from a schedule: no model yet, count all of it lost
         if not exploring or self.warming or rates is None or rates[min(self.choice[j], self.cap)] <= 0:
             return
         self.explored[j] += 1
@@ -242,19 +263,25 @@ class Controller:
         self._since_fit = 0
         if not self.cost.ready(self.cap):
             return
-        # the warm-up's cells measured every k at once (and often start-up checks): start afresh at k=0
+        # the warm-up's cells measured every k at once (and often start-up checks): start afresh at k=0 (or the
+        # schedule)
         if self.warming:
-            self.warming, self.measured, self.choice = False, {}, [0] * len(self.ranges)
+            self.warming, self.measured = False, {}
+            self.choice = list(self.prior) if self.prior is not None else [0] * len(self.ranges)
         self.cost.fit()
         for j in range(len(self.ranges)):
             rates = self.rates[j] = self.predicted_rates(j)
             if rates is None:
                 continue
+            cur = min(self.choice[j], self.cap)
+            if self.prior is not None and self.steps_measured(j, cur) < MIN_MEASURED:
+                continue  # a schedule's k stands until it has been measured in its bucket
             measured = [rates[k] for k in range(1, len(rates)) if self.steps_measured(j, k) >= MIN_MEASURED]
             best = max(range(len(rates)), key=rates.__getitem__)
-            if max(measured, default=0.0) <= rates[0] * (1.0 + self.config.min_gain):
-                best = 0  # speculate only where a measured k>0 pays by a margin: never lose to k=0
-            cur = min(self.choice[j], self.cap)
+            # speculate only where a measured k>0 pays by a margin (never lose to k=0); none where a schedule drafts
+            gain = 0.0 if self.prior is not None and self.prior[j] > 0 else self.config.min_gain
+            if max(measured, default=0.0) <= rates[0] * (1.0 + gain):
+                best = 0
             if best == 0 or cur == 0 or rates[best] > rates[cur] * (1.0 + SWITCH_GAIN):
                 cur = best
             self.choice[j] = cur
@@ -266,7 +293,9 @@ class Controller:
         above = self.config.draft_below is not None and self.los[j] >= self.config.draft_below
         if self.cap == 0 or explore == 0 or above:  # above: a bucket the threshold keeps at k=0
             return
-        if ready and self.budget > 0 and self.choice[j] == 0:
+        if not ready and self.prior is not None and self.budget <= 0:
+            return  # a schedule runs meanwhile: the warm-up's bursts come out of the budget
+        if ready and self.budget > 0 and self.choice[j] == 0 and self.prior is None:
             k = self.unproven(j)
             if k is not None:  # the model's verdict on this k has not been checked in this bucket: check it now
                 self.burst = [j, k, self.config.explore_steps]
@@ -285,8 +314,12 @@ class Controller:
         if ready:
             self.burst = [j, self.rng.choice(others), self.config.explore_steps]
         else:
-            k = min(range(self.cap + 1), key=lambda k: (self.cost.seen(k), self.rng.random()))
+            k = min(range(self.cap + 1), key=lambda k: (self._warm_later(k), self.cost.seen(k), self.rng.random()))
             self.burst = [None, k, self.config.explore_steps]
+
+    def _warm_later(self, k: int) -> bool:
+        """Whether the warm-up may leave k for later: after a schedule, which may never run k=0, it comes first."""
+        return self.prior is None or k > 0 or self.cost.seen(0) >= 3.0
 
     def unproven(self, j: int) -> int | None:
         """The k>0 to measure in bucket j now: the one the model rates best there, if no k>0 has been measured
