@@ -81,7 +81,7 @@ import numpy as np
 
 from rl_specdec.config.generation import SpeculationControlConfig
 from rl_specdec.rollout.runtime_k.metrics import Tally
-from rl_specdec.rollout.runtime_k.models import AcceptanceModel, CostModel, features
+from rl_specdec.rollout.runtime_k.models import READY_K0_STEPS, AcceptanceModel, CostModel, features
 
 REFIT_EVERY = 8  # observations between refits of the cost model
 MEASURED_DECAY = 0.95  # per step counted for a (bucket, k): direct measurements forget over ~20 steps
@@ -319,7 +319,7 @@ class Controller:
 
     def _warm_later(self, k: int) -> bool:
         """Whether the warm-up may leave k for later: after a schedule, which may never run k=0, it comes first."""
-        return self.prior is None or k > 0 or self.cost.seen(0) >= 3.0
+        return self.prior is None or k > 0 or self.cost.seen(0) >= READY_K0_STEPS
 
     def unproven(self, j: int) -> int | None:
         """The k>0 to measure in bucket j now: the one the model rates best there, if no k>0 has been measured

@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+READY_K0_STEPS, READY_K_STEPS = 3.0, 2.0  # steady steps at k=0, and at each of two k>0, before the model fits
+
 
 def features(b: float, ctx: float, kv: float, kn: float, pre: float = 0.0) -> np.ndarray:
     """The cost model's features of a step: b requests, ctx context tokens, kv drafts verified and kn
@@ -53,8 +55,8 @@ class CostModel:
         return st[2] if st else 0.0
 
     def ready(self, cap: int) -> bool:
-        distinct = sum(1 for k in range(1, cap + 1) if self.seen(k) >= 2.0)
-        return self.seen(0) >= 3.0 and distinct >= min(2, cap)
+        distinct = sum(1 for k in range(1, cap + 1) if self.seen(k) >= READY_K_STEPS)
+        return self.seen(0) >= READY_K0_STEPS and distinct >= min(2, cap)
 
     def fit(self) -> None:
         A = sum(st[0] for st in self.stats.values())
