@@ -82,6 +82,8 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     # table, vLLM's static schedule, a concurrency threshold (FastGRPO's rule) and the controller
     "wide base": ("configs/grpo_base_wide.yaml", []),
     "wide k=4": ("configs/grpo_spec_wide.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=4"]),
+    # the best fixed k on the Intel Xeon by benchmarks/k_profile.py (docs/performance.md 11; k=3 and 4 within 4%)
+    "wide k=5": ("configs/grpo_spec_wide.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=5"]),
     "wide schedule": (
         "configs/grpo_spec_wide.yaml",
         [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,4,5],[5,32,3],[33,1024,2]]"],

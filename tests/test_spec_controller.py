@@ -190,6 +190,27 @@ def test_predictions_track_what_the_engine_realises():
     assert abs(r["predicted_tokens_per_s"] / r["realised_tokens_per_s"] - 1) < 0.15, r
 
 
+def _moved(ctl, j: int, k: int, steps: int) -> float:
+    """How far bucket j's rating of k moves from the model's towards ``steps`` steps measured 30% above it."""
+    ctl.measured = {key: c for key, c in ctl.measured.items() if key[0] != j}
+    model = ctl.predicted_rates(j)[k]
+    b, t = ctl.b_mean[j], 0.01  # steps at the bucket's mean batch, 10 ms each
+    emitted = 1.3 * model * t * steps  # tokens: 1.3 x the model's rate
+    ctl.measured[(j, k)] = [emitted, t * steps, steps, b * steps, ctl.acc.expected_length(k) * steps]
+    return (ctl.predicted_rates(j)[k] - model) / (0.3 * model)
+
+
+def test_a_step_of_one_request_moves_a_rating_less_than_a_step_of_many():
+    """A bucket's rating of k is its measurement shrunk to the cost model by request-steps: at one running
+    request a step's tokens are one request's acceptance, so 20 such steps move the rating less than halfway
+    from the model towards them, while 4 steps of 16 requests move it most of the way. (Shrunk by steps, the
+    20 one-request steps would move it 83% of the way.)"""
+    ctl = run(CPU, p_accept=0.85, calls=10)
+    assert ctl.b_mean[0] == 1.0
+    assert _moved(ctl, 0, 3, steps=20) < 0.5
+    assert _moved(ctl, ctl.bucket(16), 3, steps=4) > 0.6
+
+
 def _drafting_buckets(calls: int) -> int:
     """Buckets drafting after ``calls`` calls from k=0 on the cheap table, over three seeds."""
     return sum(sum(k > 0 for k in chosen(run(CHEAP, calls=calls, initial_k=0, seed=s))) for s in range(3))

@@ -30,7 +30,8 @@ from k=0 (the drafter catch-up is that k's cost) and the k it leaves for k=0
 measured rate, repriced by E[L(k)] now against when measured and moved from the
 cell's mean batch to b_j by the model's ratio of times, shrunk towards the
 model's ``b_j E[L(k)] / t(b_j, k, k)`` (calibrated on k=0's measurement) as if
-the model were ``PRIOR_STEPS`` steps. It picks the best k in 0..cap, but k=0
+the model were ``PRIOR_REQUESTS`` requests' steps (a step of one request says
+little: the tail's steps are shrunk most). It picks the best k in 0..cap, but k=0
 unless a k>0 measured there (``MIN_MEASURED`` steps) is rated ``min_gain`` better, and keeps a k>0 unless
 another is ``SWITCH_GAIN`` better. Decisions start at k=0, without the warm-up's cells, once the cost model
 has seen k=0 and two k>0 (one if cap is 1).
@@ -86,7 +87,7 @@ from rl_specdec.rollout.runtime_k.models import READY_K0_STEPS, AcceptanceModel,
 REFIT_EVERY = 8  # observations between refits of the cost model
 MEASURED_DECAY = 0.95  # per step counted for a (bucket, k): direct measurements forget over ~20 steps
 MIN_MEASURED = 2.5  # steps of a (bucket, k) before they calibrate the model (k=0) or k may be chosen (k>0)
-PRIOR_STEPS = 4.0  # a measured rate is shrunk towards the model's as if the model were this many steps
+PRIOR_REQUESTS = 32.0  # a measured rate is shrunk towards the model's as if the model were this many request-steps
 SWITCH_GAIN = 0.03  # a k>0 in force gives way to another k>0 rated this much better (no catch-up between them)
 EXPLORE_WITHIN = 0.1  # once ready, a burst tries only a k rated within this fraction of the bucket's best
 # A bucket at k=0 is explored only if some k>0 could win there with acceptance this much better than measured
@@ -253,9 +254,8 @@ class Controller:
         scale = seen[0] / rates[0] if 0 in seen and cells[0][2] >= MIN_MEASURED else 1.0
         out = []
         for k, r in enumerate(rates):
-            n = cells[k][2] if k in seen else 0.0
-            # measured, shrunk to the model
-            out.append((n * seen.get(k, 0.0) + PRIOR_STEPS * r * scale) / (n + PRIOR_STEPS))
+            n = cells[k][3] if k in seen else 0.0  # request-steps: a rate's noise is the requests' acceptance
+            out.append((n * seen.get(k, 0.0) + PRIOR_REQUESTS * r * scale) / (n + PRIOR_REQUESTS))
         return out
 
     def decide(self) -> None:
