@@ -35,20 +35,21 @@ from pathlib import Path
 
 from rollout import cores_and_load, log
 from step_records import engine_group, importable
+from whatif.report import table
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/grpo_spec_wide.yaml"
 SCHEDULE = [[1, 2, 5], [3, 4, 4], [5, 16, 2], [17, 1024, 0]]  # the corrected schedule (bench variant)
 KS = range(6)
-KEYS = ("b", "tokens", "k_verify", "emitted", "plain", "period_s")
+KEYS = ("b", "tokens", "k_verify", "emitted", "period_s")
 
 
 def buckets(n: int) -> list[tuple[int, int]]:
     """The controller's default buckets (speculation_control.buckets), cut at ``n`` running requests."""
     from rl_specdec.config.generation import SpeculationControlConfig
+    from rl_specdec.rollout.runtime_k.controller import bucket_ranges
 
-    lo = [b for b in SpeculationControlConfig().buckets if b <= n]
-    return [(a, (lo[i + 1] - 1) if i + 1 < len(lo) else n) for i, a in enumerate(lo)]
+    return bucket_ranges(SpeculationControlConfig().buckets, n)
 
 
 def replay(args) -> dict:
@@ -95,7 +96,7 @@ def call_cells(records: list[list], k: int) -> dict[str, list]:
     """One call's decode steps at steady k: {"b": [seconds, tokens emitted, steps]} (prefill steps, and a k>0
     call's first step, which verifies nothing, left out)."""
     out: dict = {}
-    for b, tokens, kv, emitted, plain, period in records:
+    for b, tokens, kv, emitted, period in records:
         if period is None or tokens > b * (1 + kv) or kv != k:
             continue
         cell = out.setdefault(str(b), [0.0, 0, 0])
@@ -167,11 +168,6 @@ def controller_lookups(pattern: str | None) -> dict[str, dict]:
     return out
 
 
-def md(head: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
-
-
 def rules(data: dict, seeds: list[int], ctl: dict) -> dict[str, list]:
     """{rule: [seconds per seed]} with each seed's cells and mix; the oracle chosen on the other seeds."""
     out: dict = defaultdict(list)
@@ -182,7 +178,7 @@ def rules(data: dict, seeds: list[int], ctl: dict) -> dict[str, list]:
         bs = buckets(max(tokens))
         for k in KS:
             out[f"k={k}"].append(price(cs, tokens, lambda b, k=k: k, bs))
-        out["schedule " + json.dumps(SCHEDULE[:-1] + [[17, "...", 0]])].append(price(cs, tokens, schedule_rule, bs))
+        out[f"schedule {SCHEDULE}"].append(price(cs, tokens, schedule_rule, bs))
         out["oracle per bucket (chosen on the other seeds)"].append(
             price(cs, tokens, lookup_rule(best_per_bucket(other, mix(other), bs), bs), bs)
         )
@@ -215,9 +211,9 @@ def report(data: dict, ctl: dict) -> str:
         row += [best[r], "/".join(map(str, ks))] + [lookup_rule(lk, list(lk))(r[0]) for lk in ctl.values()]
         rows.append(row)
     per = rules(data, seeds, ctl)
-    sched = next(n for n in per if n.startswith("schedule"))
+    sched = f"schedule {SCHEDULE}"
     base = per["k=0"]
-    out = [md(head, rows), ""]
+    out = [table(head, rows), ""]
     head2 = ["rule", "priced s, all seeds", "speed-up vs k=0", "per seed", "vs the schedule", "per seed"]
     rows2 = []
     for name, t in per.items():
@@ -225,7 +221,7 @@ def report(data: dict, ctl: dict) -> str:
         vss = [a / x for a, x in zip(per[sched], t)]
         rows2.append([name, f"{sum(t):.2f}", f"{sum(base) / sum(t):.3f}x", ", ".join(f"{v:.3f}" for v in vs0)])
         rows2[-1] += [f"**{sum(per[sched]) / sum(t):.3f}x**", ", ".join(f"{v:.3f}" for v in vss)]
-    out.append(md(head2, rows2))
+    out.append(table(head2, rows2))
     wall = {k: sum(c["wall_s"] for c in data["calls"] if c["k"] == k) for k in KS}
     out.append(
         "\nMeasured wall time of the calls, per fixed k, against k=0 (the same prompts; each k samples its own "
