@@ -32,6 +32,7 @@ import numpy as np
 
 from rl_specdec.config import SpeculationControlConfig
 from rl_specdec.rollout.runtime_k.controller import Controller, bucket_ranges, lookup_from
+from rl_specdec.rollout.runtime_k.controller_state import Cell
 from rl_specdec.vllm_ext.model_runner import StepRecord
 
 K = 4
@@ -192,12 +193,12 @@ def test_predictions_track_what_the_engine_realises():
 
 def _moved(ctl, j: int, k: int, steps: int) -> float:
     """How far bucket j's rating of k moves from the model's towards ``steps`` steps measured 30% above it."""
-    ctl.measured = {key: c for key, c in ctl.measured.items() if key[0] != j}
-    model = ctl.predicted_rates(j)[k]
+    ctl.cells = {key: c for key, c in ctl.cells.items() if key[0] != j}
+    model = ctl.ratings_for(j)[k]
     b, t = ctl.b_mean[j], 0.01  # steps at the bucket's mean batch, 10 ms each
     emitted = 1.3 * model * t * steps  # tokens: 1.3 x the model's rate
-    ctl.measured[(j, k)] = [emitted, t * steps, steps, b * steps, ctl.acc.expected_length(k) * steps]
-    return (ctl.predicted_rates(j)[k] - model) / (0.3 * model)
+    ctl.cells[(j, k)] = Cell(emitted, t * steps, steps, b * steps, ctl.acc.expected_length(k) * steps)
+    return (ctl.ratings_for(j)[k] - model) / (0.3 * model)
 
 
 def test_a_step_of_one_request_moves_a_rating_less_than_a_step_of_many():
@@ -327,10 +328,10 @@ def test_tokens_past_a_stop_or_max_tokens_are_not_counted():
 
     out = SimpleNamespace(sampled_token_ids=[[5, 9, 7, 8]], req_id_to_index={"a": 0})  # 3 drafts accepted + bonus
     spec = {"a": [5, 9, 7]}
-    prior = [1, 2]  # tokens the request had before this step (the runner appends this step's before we read it)
-    assert _acceptance(spec, out, {"a": _req(prior + [5, 9, 7, 8])}) == ([1, 1, 1], [1, 1, 0], 2)  # stops at 9
-    assert _acceptance(spec, out, {"a": _req(prior + [5, 9, 7, 8], ignore_eos=True)}) == ([1, 1, 1], [1, 1, 1], 4)
-    assert _acceptance(spec, out, {"a": _req(prior + [5, 9, 7, 8], max_tokens=3, stops=())}) == (
+    earlier = [1, 2]  # tokens the request had before this step (the runner appends this step's before we read it)
+    assert _acceptance(spec, out, {"a": _req(earlier + [5, 9, 7, 8])}) == ([1, 1, 1], [1, 1, 0], 2)  # stops at 9
+    assert _acceptance(spec, out, {"a": _req(earlier + [5, 9, 7, 8], ignore_eos=True)}) == ([1, 1, 1], [1, 1, 1], 4)
+    assert _acceptance(spec, out, {"a": _req(earlier + [5, 9, 7, 8], max_tokens=3, stops=())}) == (
         [1, 1, 1],
         [1, 0, 0],
         1,
@@ -343,9 +344,9 @@ def test_a_calls_first_step_counts_for_no_k():
     ctl = controller(s, 2)
     rec = dict(b=100, tokens=3000, drafts=0, k_verify=0, k_next=2, ctx=0, plain=False, emitted=100, period_s=0.05)
     ctl.observe(StepRecord(continuing=False, **rec))
-    assert ctl.measured == {}
+    assert ctl.cells == {}
     ctl.observe(StepRecord(continuing=True, **rec))  # the same step inside a call: a switch up into k=2
-    assert list(ctl.measured) == [(ctl.bucket(100), 2)]
+    assert list(ctl.cells) == [(ctl.bucket(100), 2)]
 
 
 def test_a_step_that_admits_requests_counts_for_its_k():
@@ -358,6 +359,6 @@ def test_a_step_that_admits_requests_counts_for_its_k():
     # 160 decoding requests verified 3 drafts each, 80 were admitted (drafts / b = 2)
     mixed = dict(b=240, tokens=160 * 4 + 80 * 20, drafts=160 * 3, k_verify=3, plain=False, continuing=True)
     ctl.observe(StepRecord(k_next=3, ctx=9000, emitted=160 * 3 + 80, period_s=0.3, **mixed))
-    assert list(ctl.measured) == [(j, 3)]
+    assert list(ctl.cells) == [(j, 3)]
     ctl.observe(StepRecord(k_next=2, ctx=9000, emitted=160 * 3 + 80, period_s=0.3, **mixed))  # 3 -> 2: neither
-    assert ctl.measured[(j, 3)][2] == 1.0 and (j, 2) not in ctl.measured
+    assert ctl.cells[(j, 3)].steps == 1.0 and (j, 2) not in ctl.cells

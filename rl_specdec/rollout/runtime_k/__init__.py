@@ -7,6 +7,7 @@ An opt-in feature for ``draft_model`` speculation, removable as a unit:
 * :mod:`.startup`: its installation in a new engine, and the start-up self-check of the k=0 fast path;
 * :mod:`.control`: the ``collective_rpc`` methods (install, set k, report) and the per-engine state;
 * :mod:`.controller`: the adaptive controller (pure logic, numpy only), which picks k per batch-size bucket;
+* :mod:`.controller_state`: its records: what each (bucket, k) measured, and the exploration burst it runs;
 * :mod:`.selfcheck`: the start-up self-check's phases and its hooks on the fast path;
 * :mod:`.metrics`: the ``spec_decode/*`` metrics of its reports.
 

@@ -3,12 +3,14 @@
 Pure logic (numpy, no vLLM): fed one :class:`~rl_specdec.vllm_ext.model_runner.StepRecord` per step, it
 answers with the k lookup.
 
-**What it measures.** Per (bucket, k), decayed sums over the bucket's steps at
-that k (:meth:`Controller._measure`): the tokens the requests kept (not those
-accepted past a stop token or ``max_tokens``), the wall time, the requests and
-the E[L(k)] of the time. A step counts for the k it holds, the k it enters
-from k=0 (the drafter catch-up is that k's cost) and the k it leaves for k=0
-(its verification earns that k's tokens); a call's first step counts for none.
+**What it measures.** Per (bucket, k), a :class:`~.controller_state.Cell` of
+decayed sums over the bucket's steps at that k (:meth:`Controller._measure`):
+the tokens the requests kept (not those accepted past a stop token or
+``max_tokens``), the wall time, the request-steps (running requests summed
+over the steps) and the E[L(k)] of the time. A step counts for the k it holds,
+the k it enters from k=0 (the drafter catch-up is that k's cost) and the k it
+leaves for k=0 (its verification earns that k's tokens); a call's first step
+counts for none.
 
 **What it models.**
 
@@ -30,14 +32,14 @@ from k=0 (the drafter catch-up is that k's cost) and the k it leaves for k=0
 measured rate, repriced by E[L(k)] now against when measured and moved from the
 cell's mean batch to b_j by the model's ratio of times, shrunk towards the
 model's ``b_j E[L(k)] / t(b_j, k, k)`` (calibrated on k=0's measurement) as if
-the model were ``PRIOR_REQUESTS`` requests' steps (a step of one request says
+the model were ``MODEL_REQUEST_STEPS`` request-steps (a step of one request says
 little: the tail's steps are shrunk most). It picks the best k in 0..cap, but k=0
 unless a k>0 measured there (``MIN_MEASURED`` steps) is rated ``min_gain`` better, and keeps a k>0 unless
 another is ``SWITCH_GAIN`` better. Decisions start at k=0, without the warm-up's cells, once the cost model
 has seen k=0 and two k>0 (one if cap is 1).
 
 **How it explores.** Until ready it warms up (unless ``explore`` is 0): every
-step belongs to a burst of the k seen least, over every bucket. Then a bucket
+step belongs to a :class:`~.controller_state.Burst` of the k seen least, over every bucket. Then a bucket
 at k=0 starts a burst at its next step (:meth:`Controller.unproven`) of the
 k>0 the model rates best there, if no k>0 has been measured there yet, or if
 that k is rated ``min_gain`` above k=0 and has not been measured there for
@@ -81,13 +83,13 @@ import random
 import numpy as np
 
 from rl_specdec.config.generation import SpeculationControlConfig
+from rl_specdec.rollout.runtime_k.controller_state import Burst, Cell
 from rl_specdec.rollout.runtime_k.metrics import Tally
 from rl_specdec.rollout.runtime_k.models import READY_K0_STEPS, AcceptanceModel, CostModel, features
 
 REFIT_EVERY = 8  # observations between refits of the cost model
-MEASURED_DECAY = 0.95  # per step counted for a (bucket, k): direct measurements forget over ~20 steps
 MIN_MEASURED = 2.5  # steps of a (bucket, k) before they calibrate the model (k=0) or k may be chosen (k>0)
-PRIOR_REQUESTS = 32.0  # a measured rate is shrunk towards the model's as if the model were this many request-steps
+MODEL_REQUEST_STEPS = 32.0  # a measured rate is shrunk towards the model's as if the model were this many request-steps
 SWITCH_GAIN = 0.03  # a k>0 in force gives way to another k>0 rated this much better (no catch-up between them)
 EXPLORE_WITHIN = 0.1  # once ready, a burst tries only a k rated within this fraction of the bucket's best
 # A bucket at k=0 is explored only if some k>0 could win there with acceptance this much better than measured
@@ -143,21 +145,20 @@ class Controller:
         self.ranges = bucket_ranges(buckets_for(config, initial_lookup), max_batch)
         self.los = [lo for lo, _ in self.ranges]
         self.choice = [int(round(k)) for k in ks_of(self.ranges, initial_lookup)]
-        # start: schedule: each bucket's k from the initial lookup, kept until measured there (module docstring)
-        self.prior = list(self.choice) if config.start == "schedule" else None
+        # start: schedule: each bucket's k from the initial lookup, kept until measured there (None: from k=0)
+        self.schedule = list(self.choice) if config.start == "schedule" else None
         self.cap = k_max
         self.cost, self.acc = CostModel(config.memory_steps), AcceptanceModel(k_max, config.acceptance_memory)
         self.b_mean = [math.sqrt(lo * hi) for lo, hi in self.ranges]
         self.ctx_per_req = [64.0] * len(self.ranges)
         self.pre_per_step = [0.0] * len(self.ranges)
-        # (bucket, k) -> decayed [emitted, seconds, steps, requests, E[L(k)]]
-        self.measured: dict[tuple[int, int], list[float]] = {}
-        self.burst: list | None = None  # [bucket (None: every bucket), k, steps left]
+        self.cells: dict[tuple[int, int], Cell] = {}  # (bucket, k) -> what its steps measured
+        self.burst: Burst | None = None
         self.rng = random.Random(seed)
         self.tally = Tally()
         self.pushed = list(initial_lookup)
         self._since_fit, self.warming = 0, True
-        self.rates: list[list[float] | None] = [None] * len(self.ranges)  # predicted tokens/s per k, per bucket
+        self.ratings: list[list[float] | None] = [None] * len(self.ranges)  # each bucket's, at the last decide
         self.budget = 0.0  # seconds exploring may still lose (earns ``explore`` x each step's time)
         self.explored = [0] * len(self.ranges)  # exploring steps per bucket, once ready
 
@@ -170,7 +171,7 @@ class Controller:
         if rec.drafted_pp:
             self.acc.observe(rec.drafted_pp, rec.accepted_pp)
         # the step ran a burst's k if the burst covers its bucket (a burst in the tail of one call outlives it)
-        exploring = self.burst is not None and self.burst[0] in (None, self.bucket(rec.b))
+        exploring = self.burst is not None and self.burst.covers(self.bucket(rec.b))
         if rec.b > 0 and rec.period_s is not None:
             self._measure(rec)
             self._account(self.bucket(rec.b), rec, exploring)  # catch-up steps too: a burst up from k=0 pays one
@@ -178,34 +179,34 @@ class Controller:
             self.tally.add(rec, None, exploring)
             return
         j = self.bucket(rec.b)
-        pre = max(rec.tokens - rec.b - rec.drafts, 0)
+        prefilled = max(rec.tokens - rec.b - rec.drafts, 0)  # prompt tokens beyond one per request
         self.b_mean[j] += 0.05 * (rec.b - self.b_mean[j])
         self.ctx_per_req[j] += 0.05 * (rec.ctx / rec.b - self.ctx_per_req[j])
-        self.pre_per_step[j] += 0.05 * (pre - self.pre_per_step[j])
-        kv = rec.drafts / rec.b
-        x = features(rec.b, rec.ctx, kv, rec.k_next, pre)
+        self.pre_per_step[j] += 0.05 * (prefilled - self.pre_per_step[j])
+        verified_pp = rec.drafts / rec.b  # drafts verified per request, over all of them (admitted ones too)
+        x = features(rec.b, rec.ctx, verified_pp, rec.k_next, prefilled)
         t, predicted = rec.period_s, None
         if self.cost.ready(self.cap):
             t_hat = self.cost.predict(x)
             if t_hat is not None and t_hat > 0:
                 t = min(max(t, t_hat / CLIP), t_hat * CLIP)
-                predicted = (rec.b * self.acc.expected_length(round(kv)), t_hat)
+                predicted = (rec.b * self.acc.expected_length(round(verified_pp)), t_hat)
         self.tally.add(rec, predicted, exploring)
-        self.cost.observe(x, t, rec.k_next, kv)
+        self.cost.observe(x, t, rec.k_next, verified_pp)
         self._since_fit += 1
 
     def _account(self, j: int, rec, exploring: bool) -> None:
         """The exploration budget: each step earns ``explore`` of its time; an exploring step spends what it lost
         against the bucket's choice (its time less the time the choice would take for the same tokens)."""
-        cap = BUDGET_BURSTS * self.config.explore_steps * rec.period_s
-        self.budget = min(self.budget + self.config.explore * rec.period_s, cap)
-        rates = self.rates[j]
-        if exploring and self.warming and self.prior is not None:
+        most = BUDGET_BURSTS * self.config.explore_steps * rec.period_s
+        self.budget = min(self.budget + self.config.explore * rec.period_s, most)
+        ratings = self.ratings[j]
+        if exploring and self.warming and self.schedule is not None:
             self.budget -= rec.period_s  # a warm-up burst away from a schedule: no model yet, count all of it lost
-        if not exploring or self.warming or rates is None or rates[min(self.choice[j], self.cap)] <= 0:
+        if not exploring or self.warming or ratings is None or ratings[min(self.choice[j], self.cap)] <= 0:
             return
         self.explored[j] += 1
-        self.budget -= max(rec.period_s - rec.emitted / rates[min(self.choice[j], self.cap)], 0.0)
+        self.budget -= max(rec.period_s - rec.emitted / ratings[min(self.choice[j], self.cap)], 0.0)
 
     def _measure(self, rec) -> None:
         """Add the step to its (bucket, k) cell (module docstring): each k pays its own costs, earns its kept tokens."""
@@ -213,29 +214,29 @@ class Controller:
             return  # a call's first step emits one token per request whatever k: it would favour the k not in use
         # the drafts a request verified: not drafts / b, which requests admitted (prefilled) in the step lower,
         # and which would drop a k>0's steps with prefills, its dearest, while k=0 keeps all of its own
-        kv = rec.k_verify if rec.drafts else 0
-        k = rec.k_next if kv in (0, rec.k_next) else kv if rec.k_next == 0 else None
+        k_verified = rec.k_verify if rec.drafts else 0
+        k = rec.k_next if k_verified in (0, rec.k_next) else k_verified if rec.k_next == 0 else None
         if k is None:
             return
-        cell = self.measured.setdefault((self.bucket(rec.b), k), [0.0, 0.0, 0.0, 0.0, 0.0])
-        for i, v in enumerate((rec.emitted, rec.period_s, 1.0, rec.b, self.acc.expected_length(k))):
-            cell[i] = cell[i] * MEASURED_DECAY + v
+        cell = self.cells.setdefault((self.bucket(rec.b), k), Cell())
+        cell.add(rec.emitted, rec.period_s, rec.b, self.acc.expected_length(k))
 
     def time_at(self, j: int, b: float, k: int) -> float | None:
         """The cost model's time of a steady step at k with b requests, bucket j's context and prefill."""
         return self.cost.predict(features(b, self.ctx_per_req[j] * b, k, k, self.pre_per_step[j]))
 
-    def measured_rate(self, j: int, k: int, cell: list[float]) -> float:
+    def measured_rate(self, j: int, k: int, cell: Cell) -> float:
         """A cell's kept tokens per second, repriced to the acceptance of now and moved to the bucket's mean batch."""
-        emitted, seconds, steps, requests, expected = cell
-        b_cell, b = requests / steps, self.b_mean[j]
+        b_cell, b = cell.request_steps / cell.steps, self.b_mean[j]
         t_cell, t_b = self.time_at(j, b_cell, k), self.time_at(j, b, k)
         ratio = t_b / t_cell if t_cell and t_b and min(t_cell, t_b) > 0 else b / b_cell
-        repriced = self.acc.expected_length(k) / (expected / steps)  # E[L(k)] now against when it was measured
-        return repriced * emitted / requests * b / (seconds / steps * ratio)
+        repriced = self.acc.expected_length(k) / (cell.expected_length / cell.steps)  # E[L(k)] now against then
+        return repriced * cell.emitted / cell.request_steps * b / (cell.seconds / cell.steps * ratio)
 
-    def predicted_rates(self, j: int) -> list[float] | None:
-        """Predicted tokens per second of bucket j at each steady k in 0..cap (None before a fit).
+    def ratings_for(self, j: int) -> list[float] | None:
+        """Bucket j's rating of each steady k in 0..cap, in tokens per second (None before a fit): the cost
+        model's rate, calibrated on k=0's measurement there, and each k's measured rate weighed against it by
+        request-steps (module docstring).
 
         A step never gets cheaper with more drafts, so predicted times are made
         non-decreasing in k (a rarely seen k cannot look cheaper than k=0 by fit noise).
@@ -247,15 +248,16 @@ class Controller:
         times = list(np.maximum.accumulate(times))
         if times[0] <= 0:
             return None
-        rates = [b * self.acc.expected_length(k) / t for k, t in enumerate(times)]
-        cells = {k: c for (jj, k), c in self.measured.items() if jj == j and k <= self.cap and c[1] > 0 and c[3] > 0}
-        seen = {k: self.measured_rate(j, k, c) for k, c in cells.items()}
+        modelled = [b * self.acc.expected_length(k) / t for k, t in enumerate(times)]
+        here = {k: c for (jj, k), c in self.cells.items() if jj == j and k <= self.cap}  # bucket j's cells
+        here = {k: c for k, c in here.items() if c.seconds > 0 and c.request_steps > 0}
+        measured = {k: self.measured_rate(j, k, c) for k, c in here.items()}
         # the model, calibrated on k=0 here
-        scale = seen[0] / rates[0] if 0 in seen and cells[0][2] >= MIN_MEASURED else 1.0
+        scale = measured[0] / modelled[0] if 0 in measured and here[0].steps >= MIN_MEASURED else 1.0
         out = []
-        for k, r in enumerate(rates):
-            n = cells[k][3] if k in seen else 0.0  # request-steps: a rate's noise is the requests' acceptance
-            out.append((n * seen.get(k, 0.0) + PRIOR_REQUESTS * r * scale) / (n + PRIOR_REQUESTS))
+        for k, r in enumerate(modelled):
+            n = here[k].request_steps if k in measured else 0.0  # a rate's noise is the requests' acceptance
+            out.append((n * measured.get(k, 0.0) + MODEL_REQUEST_STEPS * r * scale) / (n + MODEL_REQUEST_STEPS))
         return out
 
     def decide(self) -> None:
@@ -263,26 +265,25 @@ class Controller:
         self._since_fit = 0
         if not self.cost.ready(self.cap):
             return
-        # the warm-up's cells measured every k at once (and often start-up checks): start afresh at k=0 (or the
-        # schedule)
+        # the warm-up's cells measured every k at once (often start-up checks too): start afresh (k=0 or schedule)
         if self.warming:
-            self.warming, self.measured = False, {}
-            self.choice = list(self.prior) if self.prior is not None else [0] * len(self.ranges)
+            self.warming, self.cells = False, {}
+            self.choice = list(self.schedule) if self.schedule is not None else [0] * len(self.ranges)
         self.cost.fit()
         for j in range(len(self.ranges)):
-            rates = self.rates[j] = self.predicted_rates(j)
-            if rates is None:
+            ratings = self.ratings[j] = self.ratings_for(j)
+            if ratings is None:
                 continue
             cur = min(self.choice[j], self.cap)
-            if self.prior is not None and self.steps_measured(j, cur) < MIN_MEASURED:
+            if self.schedule is not None and self.steps_measured(j, cur) < MIN_MEASURED:
                 continue  # a schedule's k stands until it has been measured in its bucket
-            measured = [rates[k] for k in range(1, len(rates)) if self.steps_measured(j, k) >= MIN_MEASURED]
-            best = max(range(len(rates)), key=rates.__getitem__)
+            proven = [ratings[k] for k in range(1, len(ratings)) if self.steps_measured(j, k) >= MIN_MEASURED]
+            best = max(range(len(ratings)), key=ratings.__getitem__)
             # speculate only where a measured k>0 pays by a margin (never lose to k=0); none where a schedule drafts
-            gain = 0.0 if self.prior is not None and self.prior[j] > 0 else self.config.min_gain
-            if max(measured, default=0.0) <= rates[0] * (1.0 + gain):
+            gain = 0.0 if self.schedule is not None and self.schedule[j] > 0 else self.config.min_gain
+            if max(proven, default=0.0) <= ratings[0] * (1.0 + gain):
                 best = 0
-            if best == 0 or cur == 0 or rates[best] > rates[cur] * (1.0 + SWITCH_GAIN):
+            if best == 0 or cur == 0 or ratings[best] > ratings[cur] * (1.0 + SWITCH_GAIN):
                 cur = best
             self.choice[j] = cur
 
@@ -293,12 +294,12 @@ class Controller:
         above = self.config.draft_below is not None and self.los[j] >= self.config.draft_below
         if self.cap == 0 or explore == 0 or above:  # above: a bucket the threshold keeps at k=0
             return
-        if not ready and self.prior is not None and self.budget <= 0:
+        if not ready and self.schedule is not None and self.budget <= 0:
             return  # a schedule runs meanwhile: the warm-up's bursts come out of the budget
-        if ready and self.budget > 0 and self.choice[j] == 0 and self.prior is None:
+        if ready and self.budget > 0 and self.choice[j] == 0 and self.schedule is None:
             k = self.unproven(j)
             if k is not None:  # the model's verdict on this k has not been checked in this bucket: check it now
-                self.burst = [j, k, self.config.explore_steps]
+                self.burst = Burst(j, k, self.config.explore_steps)
                 return
         if ready and (self.budget <= 0 or self.rng.random() >= explore / max(self.config.explore_steps, 1)):
             return
@@ -306,37 +307,38 @@ class Controller:
             return
         others = [k for k in range(self.cap + 1) if k != self.choice[j]]
         if ready and self.cost.theta is not None:
-            rates = self.predicted_rates(j)
-            if rates is not None:  # only the k that may win: a k rated far below the best costs a burst for nothing
-                others = [k for k in others if k == 0 or rates[k] >= (1.0 - EXPLORE_WITHIN) * max(rates)]  # k=0 always
+            ratings = self.ratings_for(j)
+            if ratings is not None:  # only the k that may win: a k rated far below the best costs a burst for nothing
+                others = [k for k in others if k == 0 or ratings[k] >= (1.0 - EXPLORE_WITHIN) * max(ratings)]  # k=0 too
         if not others:
             return
         if ready:
-            self.burst = [j, self.rng.choice(others), self.config.explore_steps]
+            self.burst = Burst(j, self.rng.choice(others), self.config.explore_steps)
         else:
             k = min(range(self.cap + 1), key=lambda k: (self._warm_later(k), self.cost.seen(k), self.rng.random()))
-            self.burst = [None, k, self.config.explore_steps]
+            self.burst = Burst(None, k, self.config.explore_steps)
 
     def _warm_later(self, k: int) -> bool:
         """Whether the warm-up may leave k for later: after a schedule, which may never run k=0, it comes first."""
-        return self.prior is None or k > 0 or self.cost.seen(0) >= READY_K0_STEPS
+        return self.schedule is None or k > 0 or self.cost.seen(0) >= READY_K0_STEPS
 
     def unproven(self, j: int) -> int | None:
         """The k>0 to measure in bucket j now: the one the model rates best there, if no k>0 has been measured
         there yet (its verdict, fitted at other batch sizes, is trusted only once checked in the bucket), or if
         it beats k=0 there by ``min_gain`` and has not been measured there (None otherwise, and before a fit)."""
-        rates = self.rates[j] if self.cost.theta is not None else None
-        if not rates or len(rates) < 2:
+        ratings = self.ratings[j] if self.cost.theta is not None else None
+        if not ratings or len(ratings) < 2:
             return None
-        k = max(range(1, len(rates)), key=rates.__getitem__)
-        if all(self.steps_measured(j, kk) < MIN_MEASURED for kk in range(1, len(rates))):
+        k = max(range(1, len(ratings)), key=ratings.__getitem__)
+        if all(self.steps_measured(j, kk) < MIN_MEASURED for kk in range(1, len(ratings))):
             return k
-        pays = rates[k] > rates[0] * (1.0 + self.config.min_gain)
+        pays = ratings[k] > ratings[0] * (1.0 + self.config.min_gain)
         return k if pays and self.steps_measured(j, k) < MIN_MEASURED else None
 
     def steps_measured(self, j: int, k: int) -> float:
         """The decayed steps of bucket j's cell at k (0 if none)."""
-        return self.measured.get((j, k), (0.0, 0.0, 0.0))[2]
+        cell = self.cells.get((j, k))
+        return cell.steps if cell is not None else 0.0
 
     def could_win(self, j: int) -> bool:
         """Whether, by the cost model, some k>0 could beat k=0 by ``min_gain`` in bucket j if acceptance were
@@ -347,14 +349,13 @@ class Controller:
             return True
         times = list(np.maximum.accumulate(times))
         lengths = [1 + min(k, (self.acc.expected_length(k) - 1) * (1 + EXPLORE_HEADROOM)) for k in range(self.cap + 1)]
-        rates = [b * n / t for n, t in zip(lengths, times)]
-        return max(rates[1:], default=0.0) > rates[0] * (1 + self.config.min_gain)
+        optimistic = [b * n / t for n, t in zip(lengths, times)]
+        return max(optimistic[1:], default=0.0) > optimistic[0] * (1 + self.config.min_gain)
 
     def lookup(self) -> list[int]:
         ks = [min(k, self.cap) for k in self.choice]
         if self.burst is not None:
-            for j in range(len(ks)) if self.burst[0] is None else [self.burst[0]]:
-                ks[j] = self.burst[1]
+            ks = [self.burst.k if self.burst.covers(j) else k for j, k in enumerate(ks)]
         return below(lookup_from(self.ranges, ks), self.config.draft_below)
 
     def step(self, rec, b_next: int) -> list[int] | None:
@@ -364,8 +365,8 @@ class Controller:
         """
         self.observe(rec)
         if self.burst is not None:
-            self.burst[2] -= 1
-            if self.burst[2] <= 0 or self.burst[0] not in (None, self.bucket(b_next)):
+            self.burst.steps_left -= 1
+            if self.burst.steps_left <= 0 or not self.burst.covers(self.bucket(b_next)):
                 self.burst = None
                 self.decide()
         if self._since_fit >= REFIT_EVERY:
