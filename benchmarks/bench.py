@@ -1,8 +1,10 @@
 """What speculation buys in RL, measured side by side in one run.
 
-    python benchmarks/bench.py --quick            # under 5 min on 2 cores: rollout and GRPO tables, small
-    python benchmarks/bench.py --seeds 0,1        # every section and variant (hours on 2 cores)
-    python benchmarks/bench.py --sections grpo    # one part; see --help
+    python -m benchmarks grpo --quick             # the shipped default (grpo_spec) against grpo_base, 4 steps
+    python -m benchmarks grpo --seeds 0,1         # every GRPO variant (hours on 2 cores)
+    python -m benchmarks staleness                # one section per command: grpo, staleness, peer
+    python benchmarks/bench.py --quick            # under 5 min on 2 cores: the rollout and GRPO sections, small
+    python benchmarks/bench.py --seeds 0,1        # every section and variant in one report
 
 Sections (each prints markdown tables; all write ``<out>/report.md``, JSON and PNGs):
 
@@ -46,9 +48,9 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+import bench_common
 import bench_report as rep
 import drafter_life  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
 import length_pool
@@ -57,7 +59,9 @@ import peer_trl
 import precision_runs
 import rollout
 import rollout_report
-from bench_runs import (  # noqa: F401  (run_grpo: benchmarks/runtime_libs.py calls bench.run_grpo)
+from bench_args import QUICK_STEPS, SECTIONS, Bench, parse
+from bench_common import log
+from bench_runs import (
     build_models,
     combine_seeds,
     load_rows,
@@ -67,137 +71,7 @@ from bench_runs import (  # noqa: F401  (run_grpo: benchmarks/runtime_libs.py ca
     run_grpo_lockstep,
     step_stats,
 )
-from bench_variants import (
-    COMMON,
-    GRPO_VARIANTS,
-    OVERLAP_VARIANTS,
-    PRECISION_VARIANTS,
-    QUICK_VARIANTS,
-    REPO,
-    baseline_of,
-    family,
-    lockstep_memory_problem,
-    spec_label,
-)
-from rollout import log
-
-SECTIONS = ("rollout", "grpo", "staleness", "peer")
-QUICK_SECTIONS = ("rollout", "grpo")  # --quick: staleness and peer only when asked for (--sections)
-
-
-@dataclass
-class Bench:
-    """One invocation: its arguments, what it runs, and the report and results it builds."""
-
-    args: argparse.Namespace
-    sections: list[str]
-    names: list[str]  # GRPO variants
-    steps: int
-    seeds: list[int]
-    out: Path
-    report: list[str] = field(default_factory=list)
-    results: dict = field(default_factory=dict)
-
-    def emit(self, title: str, body: str, image: str | None = None) -> None:
-        print(f"\n### {title}\n\n{body}", flush=True)
-        self.report.extend([f"## {title}", "", body, ""] + ([f"![{title}]({image})", ""] if image else []))
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="small: the rollout and GRPO sections (both tasks, no speculation and the controller), 4 steps; "
-        "under 5 minutes on 2 cores with the toy models built",
-    )
-    p.add_argument("--out", default="results/bench", help="results folder (report.md, *.json, *.png)")
-    p.add_argument(
-        "--sections",
-        default=None,
-        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all; --quick: {','.join(QUICK_SECTIONS)})",
-    )
-    p.add_argument(
-        "--variants",
-        default=None,
-        help=f"GRPO variants (default: all; --quick: {'; '.join(QUICK_VARIANTS)}); from: {'; '.join(GRPO_VARIANTS)}",
-    )
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps per variant (default: 60; --quick 4)")
-    p.add_argument(
-        "--report-only",
-        action="store_true",
-        help="rebuild the tables and plots from the runs already in --out (runs nothing)",
-    )
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="reuse the runs in --out that finished with the same settings "
-        "(an interrupted benchmark picks up where it stopped)",
-    )
-    p.add_argument(
-        "--lockstep",
-        action="store_true",
-        help="run a seed's GRPO variants together, taking turns step by step, so that the machine's drift "
-        "falls on each alike (benchmarks/lockstep.py; not for max_staleness=1 variants)",
-    )
-    p.add_argument(
-        "--seeds",
-        default="0",
-        help="comma-separated seeds; every GRPO variant runs once per seed and the tables give the mean and each seed "
-        "(full results: 0,1)",
-    )
-    p.add_argument(
-        "--staleness-steps",
-        type=int,
-        default=200,
-        help="length of the frozen and online drafter runs (--quick: --steps)",
-    )
-    p.add_argument("--cold-steps", type=int, default=50, help="length of the cold-start drafter run (--quick: --steps)")
-    p.add_argument("--peer-steps", type=int, default=None, help="TRL steps (default: --steps; --quick 4)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a config override for every GRPO run, before each variant's own (repeatable), e.g. policy.precision=fp32",
-    )
-    return p
-
-
-def parse(argv) -> Bench:
-    """The arguments, checked: each bad one is named with what it may be."""
-    p = parser()
-    args = p.parse_args(argv)
-    COMMON.extend(args.set)
-    sections = [s for s in (args.sections or ",".join(QUICK_SECTIONS if args.quick else SECTIONS)).split(",") if s]
-    for s in sections:
-        if s not in SECTIONS:
-            p.error(f"--sections: unknown section {s!r}; choose from {', '.join(SECTIONS)}")
-    names = args.variants.split(";") if args.variants else (QUICK_VARIANTS if args.quick else list(GRPO_VARIANTS))
-    names = [n.strip() for n in names if n.strip()]
-    if not args.variants and not args.quick and not rollout.has_suffix():
-        names.remove("suffix k=3")
-    for n in names:
-        if n not in GRPO_VARIANTS:
-            p.error(f"--variants: unknown variant {n!r}; choose from {'; '.join(GRPO_VARIANTS)}")
-    if args.lockstep and (bad := OVERLAP_VARIANTS & set(names)):
-        p.error(f"--lockstep: {', '.join(sorted(bad))} generate beside training, outside the baton; run without it")
-    if args.lockstep and (why := lockstep_memory_problem(names)):
-        p.error(why)
-    if ("peer" in sections or "staleness" in sections) and "grpo" not in sections:
-        # the rows peer and cost compare against
-        names = [
-            n for n in names if n in ("grpo_base", "grpo_spec", "grpo_spec drafter online", "grpo_spec drafter light")
-        ]
-        sections = ["grpo", *sections]
-    try:
-        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--seeds: {args.seeds!r} is not a comma-separated list of integers, e.g. --seeds 0,1")
-    if not seeds:
-        p.error("--seeds: give at least one seed, e.g. --seeds 0")
-    steps = args.steps or (4 if args.quick else 60)
-    return Bench(args, sections, names, steps, seeds, Path(args.out))
+from bench_variants import GRPO_VARIANTS, OVERLAP_VARIANTS, PRECISION_VARIANTS, REPO, baseline_of, family, spec_label
 
 
 def section_rollout(b: Bench) -> None:
@@ -338,7 +212,7 @@ def section_staleness(b: Bench) -> None:
 
 def section_peer(b: Bench) -> None:
     args, out = b.args, b.out
-    peer_steps = args.peer_steps or (4 if args.quick else b.steps)
+    peer_steps = args.peer_steps or (QUICK_STEPS if args.quick else b.steps)
     log(f"[peer] TRL GRPOTrainer, {peer_steps} steps")
     cmd = [
         sys.executable,
@@ -376,11 +250,12 @@ SECTION_RUNNERS = {
 }
 
 
-def main(argv=None) -> int:
-    b = parse(argv)
+def main(argv=None, section: str | None = None) -> int:
+    """Every section asked for (``--sections``), or one (``section``: ``python -m benchmarks grpo``)."""
+    b = parse(argv, __doc__, section)
     b.out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    head = rep.header()
+    head = bench_common.header()
     log(f"benchmark: {head}")
     build_models(b.sections, b.names)
     b.report = [f"# rl_specdec benchmark{' (--quick)' if b.args.quick else ''}", "", f"_{head}_", ""]
@@ -392,6 +267,18 @@ def main(argv=None) -> int:
     (b.out / "bench.json").write_text(json.dumps(b.results, indent=1, default=str))
     log(f"done in {time.time() - t_start:.0f}s; report: {b.out / 'report.md'}")
     return 0
+
+
+def grpo_main(argv=None) -> int:
+    return main(argv, "grpo")
+
+
+def staleness_main(argv=None) -> int:
+    return main(argv, "staleness")
+
+
+def peer_main(argv=None) -> int:
+    return main(argv, "peer")
 
 
 if __name__ == "__main__":

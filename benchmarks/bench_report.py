@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 from pathlib import Path
 
-import rollout
 from bench_runs import mean_or_none
 from bench_variants import (
     OVERLAP_VARIANTS,
@@ -308,17 +305,3 @@ def _rolling(xs: list, w: int, stat=statistics.fmean) -> list:
         win = [x for x in xs[max(0, i - w + 1) : i + 1] if x is not None]
         out.append(stat(win) if win else None)
     return out
-
-
-def header() -> str:
-    import torch
-    import vllm
-
-    cores, load = rollout.cores_and_load()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor()
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    versions = f"vLLM {vllm.__version__}, torch {torch.__version__}"
-    return f"{cpu}, {cores} cores, {mem:.0f} GiB; {versions}; load average at start {load:.2f}"

@@ -19,7 +19,8 @@ CONTROL = "policy.generation.speculation_control"
 # grpo_spec.yaml / grpo_base.yaml only in these keys.
 GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     "grpo_base": ("configs/grpo_base.yaml", []),
-    "grpo_spec": ("configs/grpo_spec.yaml", []),  # as shipped: k=3 below 32 running requests (draft_below=32)
+    # as shipped: a concurrency threshold (as FastGRPO's), k=3 below 32 running requests, the fast path above
+    "grpo_spec": ("configs/grpo_spec.yaml", []),
     # vLLM's own k (speculation_control off): the earlier default (k=3), other k, schedules
     "draft k=3": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=off"]),
     "draft k=1": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=1"]),
@@ -41,7 +42,7 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
             f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,3],[17,1024,0]]",
         ],
     ),
-    # run-time k (issue 14): k=0 through the fast path, and the adaptive controller (k in 0..4 per batch-size bucket)
+    # run-time k: k=0 through the fast path, and the adaptive controller (k in 0..4 per batch-size bucket)
     "draft k=0 fast path": (
         "configs/grpo_spec.yaml",
         [f"{CONTROL}.mode=fixed", f"{CONTROL}.draft_below=2"],
@@ -50,13 +51,11 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         "configs/grpo_spec.yaml",
         [f"{CONTROL}.mode=adaptive", f"{CONTROL}.k_max=4", f"{CONTROL}.draft_below=null"],
     ),
-    # a concurrency threshold (as FastGRPO's): k=3 below 32 running requests, the fast path above (the default's)
-    "draft threshold 31": ("configs/grpo_spec.yaml", [f"{CONTROL}.mode=fixed", f"{CONTROL}.draft_below=32"]),
     # the default before the threshold: the controller, k in 0..3 per batch-size bucket
     "grpo_spec controller": ("configs/grpo_spec.yaml", [f"{CONTROL}.draft_below=null"]),
     # an A/A control: a second process of the baseline, the same seeds and rollouts (what two processes differ by)
     "grpo_base again": ("configs/grpo_base.yaml", []),
-    # the long-tail workload (issue 14): its own baseline, a fixed k, vLLM's static schedule, the controller
+    # the long-tail workload: its own baseline, a fixed k, vLLM's static schedule, the controller
     "longtail base": ("configs/grpo_base_longtail.yaml", []),
     "longtail k=4": (
         "configs/grpo_spec_longtail.yaml",
@@ -70,7 +69,7 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
             f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,6],[17,64,3],[65,1024,2]]",
         ],
     ),
-    "longtail tail-only fast path": (
+    "longtail tail-only fast path": (  # what grpo_spec_longtail.yaml ships, pinned here
         "configs/grpo_spec_longtail.yaml",
         [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,4],[17,1024,0]]"],
     ),
@@ -78,11 +77,11 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         "configs/grpo_spec_longtail.yaml",
         [f"{CONTROL}.mode=adaptive", f"{SPEC}.num_speculative_tokens_per_batch_size=null"],
     ),
-    # the wide workload (issue 24): a target ~19x a drafter pass; no speculation, the best fixed k by the cost
+    # the wide workload: a target ~19x a drafter pass; no speculation, the best fixed k by the cost
     # table, vLLM's static schedule, a concurrency threshold (FastGRPO's rule) and the controller
     "wide base": ("configs/grpo_base_wide.yaml", []),
     "wide k=4": ("configs/grpo_spec_wide.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=4"]),
-    # the best fixed k on the Intel Xeon by benchmarks/k_profile.py (docs/performance.md 11; k=3 and 4 within 4%)
+    # the best fixed k on the Intel Xeon by benchmarks/studies/k_profile.py (docs/performance.md; k=3, 4 within 4%)
     "wide k=5": ("configs/grpo_spec_wide.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=5"]),
     "wide schedule": (
         "configs/grpo_spec_wide.yaml",
@@ -117,9 +116,10 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         "configs/grpo_spec.yaml",
         [f"{SPEC}.method=suffix", f"{SPEC}.num_speculative_tokens=3"],
     ),
-    "schedule 2x1": (
+    "schedule 2x1": (  # vLLM's own schedule (as "draft schedule") on two engines of one core each
         "configs/grpo_spec.yaml",
         [
+            f"{CONTROL}.mode=off",
             f"{SPEC}.num_speculative_tokens=5",
             f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,5],[17,64,3],[65,1024,2]]",
             "policy.generation.num_engines=2",
@@ -136,7 +136,7 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     ),
     # the trainer as 2 data-parallel workers (DDP over gloo), same update as one: compare with grpo_spec
     "grpo_spec policy 2x": ("configs/grpo_spec.yaml", ["policy.num_workers=2"]),
-    # the drafter distilled towards the policy after every step and refit (issue 13): its cost
+    # the drafter distilled towards the policy after every step and refit: what training it beside the policy costs
     "grpo_spec drafter online": ("configs/grpo_spec.yaml", [drafter_life.ONLINE]),
     "grpo_spec drafter light": ("configs/grpo_spec.yaml", drafter_life.LIGHT),
     # fp32 against bf16-mixed (bf16 compute over fp32 master weights, bf16 engines): benchmarks/precision_runs.py
@@ -144,8 +144,7 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     # grpo.max_staleness 0 against 1 (rollouts overlapping training), both tasks: benchmarks/overlap_runs.py
     **overlap_runs.VARIANTS,
 }
-QUICK_VARIANTS = ["grpo_base", "draft adaptive", "longtail base", "longtail adaptive"]
-QUICK_SECTIONS = ("rollout", "grpo")  # --quick: staleness and peer only when asked for (--sections)
+QUICK_VARIANTS = ["grpo_base", "grpo_spec"]  # --quick: the shipped default against its baseline
 TRAINER_VARIANTS = {"grpo_spec policy 2x"}  # change the trainer, not the rollouts: kept out of the speculation verdicts
 # the drafter trains beside the policy on the same cores: their train phase differs by design, not by chance
 DRAFTER_VARIANTS = {"grpo_spec drafter online", "grpo_spec drafter light"}

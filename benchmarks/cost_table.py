@@ -23,10 +23,10 @@ naturally (temperature 1), because tokens past EOS are not the task's.
 
 The speed-up that k buys at batch b is E[L(k)] · t(b, none) / t(b, k): the
 table prints it for every cell and the best k per batch. Torch.compile is on,
-as in the GRPO configs. Writes ``benchmarks/results/cost_table_<pair>.json``::
+as in the GRPO configs. Writes ``cost_table_<pair>.json`` and ``.md`` to ``--out`` (results/cost-table)::
 
-    python benchmarks/cost_table.py --pair wide --seeds 0,1
-    python benchmarks/cost_table.py --pair toy --seeds 0,1
+    python -m benchmarks cost-table --pair wide --seeds 0,1     # or python benchmarks/cost_table.py ...
+    python -m benchmarks cost-table --pair toy --seeds 0,1
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-from rollout import cores_and_load, log
+import bench_common
+from bench_common import cores_and_load, log
 from step_records import engine_group, importable
 
-ROOT = Path(__file__).resolve().parents[1]
 K_MAX = 5
 PAIRS = {  # pair -> (max_model_len, KV bytes per engine, acceptance max_tokens)
     "toy": (128, 2**28, 40),
@@ -215,7 +215,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=32, help="tokens per request in a timed call")
     p.add_argument("--seeds", default="0,1", help="one timed round per seed")
     p.add_argument("--accept-prompts", type=int, default=64)
-    p.add_argument("--out", default=None, help="default: benchmarks/results/cost_table_<pair>.json")
+    bench_common.add_out(p, "cost-table", "cost_table_<pair>.json and .md")
     args = p.parse_args(argv)
     if "1" not in args.batches.split(","):
         p.error(f"--batches {args.batches}: include 1 (the cost ratio and the drafter's marginal pass are at b=1)")
@@ -228,7 +228,8 @@ def run(args) -> None:
     from transformers import AutoTokenizer
 
     cores, load = cores_and_load()
-    print(f"# cost table, pair {args.pair}: {cores} cores, load average at start {load:.2f}", flush=True)
+    head = bench_common.header()
+    print(f"# cost table, pair {args.pair}: {head}", flush=True)
     batches, seeds = [int(x) for x in args.batches.split(",")], [int(x) for x in args.seeds.split(",")]
     models = pair_models(args.pair)
     tok = AutoTokenizer.from_pretrained(models.policy)
@@ -250,6 +251,7 @@ def run(args) -> None:
         c["context_mean"] = ctx
     result = {
         "pair": args.pair,
+        "machine": head,
         "load_avg_start": load,
         "vllm": vllm.__version__,
         "dtype": "float32",
@@ -260,12 +262,18 @@ def run(args) -> None:
         "drafter_marginal_s": marginal_pass(cells),
         "target_step_b1_s": next(c["step_s"] for c in cells if c["b"] == 1 and c["k"] == "none"),
         "acceptance_length": {str(k): v for k, v in accept.items()},
-        "command": "python benchmarks/cost_table.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks cost-table " + " ".join(sys.argv[1:]),
         "cells": cells,
     }
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"cost_table_{args.pair}.json")
+    out = Path(args.out) / f"cost_table_{args.pair}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
+    with bench_common.markdown_report(args.out, out.with_suffix(".md").name, f"Cost table, pair {args.pair}", head):
+        summary(result, accept, cells, pass_s)
+    print(f"written to {out} and {out.with_suffix('.md')}")
+
+
+def summary(result: dict, accept: dict, cells: list[dict], pass_s: float) -> None:
     ratio = result["target_step_b1_s"] / result["drafter_pass_s"]
     print(
         f"target step at b=1 {1e3 * result['target_step_b1_s']:.2f} ms, drafter pass (its own step at b=1) "
@@ -274,7 +282,6 @@ def run(args) -> None:
     )
     print("E[L(k)]: " + ", ".join(f"k={k} {v:.2f}" for k, v in accept.items()))
     print(table(cells, accept))
-    print(f"written to {out}")
 
 
 def _params(folder) -> int:

@@ -6,9 +6,9 @@ model predicts for the same passes (docs/performance.md, section 13).
 The models are random-initialised at their config.json shapes (benchmarks/whatif/models.py): nothing is
 downloaded, and neither time nor memory depends on the weights' values.
 
-    python benchmarks/gpu_torch.py --out results/gpu                 # on a GPU: under 2 min on an H200
-    python benchmarks/gpu_torch.py --report results/gpu/gpu_torch.json   # anywhere: the tables against the model
-    python benchmarks/gpu_torch.py --smoke --out /tmp/gpu_smoke      # CPU: tiny shapes through the same code
+    python -m benchmarks gpu-torch                  # on a GPU: under 2 min on an H200 (results/gpu-torch)
+    python -m benchmarks gpu-torch --report results/gpu-torch/gpu_torch.json   # anywhere: the tables, the model
+    python -m benchmarks gpu-torch --smoke --out /tmp/gpu_smoke      # CPU: tiny shapes through the same code
 
 *The train side* is rl_specdec's own ``PolicyWorker`` (started from a saved folder, so ``from_pretrained``,
 the frozen reference and AdamW are the real ones) on a batch of ``--seqs`` GRPO rollouts of up to
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import bench_common  # noqa: E402
 from whatif import models as M  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -296,7 +297,9 @@ def decode_side(args, target: M.ModelConfig, drafter: M.ModelConfig, dev: torch.
 
 
 def machine(dev: torch.device) -> dict:
-    info = dict(torch=torch.__version__, device=dev.type, load_average=os.getloadavg()[0])
+    from rl_specdec.sysinfo import machine_label
+
+    info = dict(label=machine_label(), torch=torch.__version__, device=dev.type, load_average=os.getloadavg()[0])
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
         info.update(name=p.name, memory_gb=p.total_memory / 1e9, sms=p.multi_processor_count)
@@ -311,7 +314,7 @@ def machine(dev: torch.device) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="results/gpu", help="folder for gpu_torch.json")
+    bench_common.add_out(p, "gpu-torch", "gpu_torch.json, gpu_torch.md")
     p.add_argument("--report", default=None, help="a gpu_torch.json to print the tables of (no measuring)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, few cells: check the code path on a CPU")
     p.add_argument("--parts", default="train,decode")
@@ -337,9 +340,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.report:
-        from whatif.gpu_report import print_report
-
-        print_report(json.load(open(args.report)))
+        report(json.load(open(args.report)), args.out)
         return
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.compile:  # every (b, k) shape may compile once: keep them all compiled, never fall back to eager
@@ -361,6 +362,18 @@ def main(argv=None) -> None:
             with open(path, "w") as f:  # after each part: a run cut short keeps what it measured
                 json.dump(out, f, indent=1)
             print(f"wrote {path}")
+    if not args.smoke:  # tiny shapes: a check of the code path, nothing to set against the model
+        report(out, args.out)
+
+
+def report(data: dict, out: str) -> None:
+    """The tables of a measurement against the model, printed and in ``<out>/gpu_torch.md``."""
+    from whatif.gpu_report import print_report
+
+    title = "The torch side on one GPU, measured, against the cost model"
+    m = data["machine"]  # the machine that measured, not this one (--report reads any measurement)
+    with bench_common.markdown_report(out, "gpu_torch.md", title, m.get("label") or m.get("name", m["device"])):
+        print_report(data)
 
 
 if __name__ == "__main__":

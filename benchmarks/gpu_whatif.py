@@ -1,10 +1,10 @@
-"""What speculation buys on a GPU, predicted (issue 25): a roofline step-cost model per device and model pair,
+"""What speculation buys on a GPU, predicted: a roofline step-cost model per device and model pair,
 calibrated on this CPU, driving a simulated GRPO generation phase under every policy, the package's own
 adaptive controller among them. Everything it prints about a GPU is a prediction.
 
-    python benchmarks/gpu_whatif.py                      # calibration, the GPU tables and the plot (< 2 min)
-    python benchmarks/gpu_whatif.py --calibrate benchmarks/results/cost_table_*.json   # other measured tables
-    python benchmarks/gpu_whatif.py --calibrate docs/data/cost_table_wide.json \\
+    python -m benchmarks gpu-whatif                     # calibration, the GPU tables and the plot (< 2 min)
+    python -m benchmarks gpu-whatif --calibrate results/cost-table/cost_table_*.json   # other measured tables
+    python -m benchmarks gpu-whatif --calibrate docs/data/cost_table_wide.json \\
         --grpo-metrics logs/grpo_spec_wide/metrics.jsonl --pair wide --policy controller:5 --k 5 --grpo-prompt-len 5
 
 The model, its constants and their sources: benchmarks/whatif/ (costmodel.py, hardware.py, models.py,
@@ -15,6 +15,7 @@ section 13.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -24,13 +25,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import bench_common  # noqa: E402
 from whatif import calibrate as CAL  # noqa: E402
 from whatif import hardware as H  # noqa: E402
 from whatif import measured  # noqa: E402
 from whatif import report as R  # noqa: E402
 from whatif import workload as W  # noqa: E402
 from whatif.adapter import controller_api  # noqa: E402
-from whatif.experiments import Setup, batch_sensitivity, run_all  # noqa: E402
+from whatif.experiments import Setup, batch_sensitivity, run_all, speedups  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -55,7 +57,7 @@ def parse_args(argv=None):
     g.add_argument("--warmup-phases", type=int, default=2, help="phases the controller runs before the measured one")
     g.add_argument("--k-max", type=int, default=5)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--out", default="results/gpu_whatif")
+    bench_common.add_out(g, "gpu-whatif", "gpu_whatif.md, gpu_whatif.json, speedup_vs_batch.png")
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--no-calibration", action="store_true", help="skip the calibration on docs/data's measured tables")
     c = p.add_argument_group("calibration on this CPU")
@@ -116,8 +118,6 @@ def gpu_report(args) -> None:
     t0 = time.perf_counter()
     devices = [H.by_name(n) for n in args.devices.split(",")]
     if args.gpu_measured:
-        import json
-
         from whatif.gpu_report import measured_device
 
         devices.append(measured_device(json.load(open(args.gpu_measured))))
@@ -150,6 +150,7 @@ def gpu_report(args) -> None:
     )
     anchor_devices = devices + [H.GB200]
     results = run_all(pairs, anchor_devices, setup, lengths, warm, log=lambda s: print(s, file=sys.stderr))
+    save_speedups(args.out, results)
     print(R.speedup_tables(results, devices))
     print("\n" + R.controller_tables(results, devices))
     print("\n### Beside the published figures (their workloads differ from ours: compare directions, not digits)\n")
@@ -167,6 +168,14 @@ def gpu_report(args) -> None:
         R.plot(path, pairs, devices, args.prompt_len + float(np.median(lengths)), tps)
         print(f"\nPlot: {path}")
     print(f"\n(ran in {time.perf_counter() - t0:.1f} s)")
+
+
+def save_speedups(out: str, results: dict) -> None:
+    """``<out>/gpu_whatif.json``: {pair: {device: {policy: [generation speed-up, step speed-up]}}}."""
+    os.makedirs(out, exist_ok=True)
+    table = {pk: {d: speedups(r) for d, r in by.items()} for pk, by in results.items()}
+    with open(os.path.join(out, "gpu_whatif.json"), "w") as f:
+        json.dump({"machine": bench_common.header(versions=False), "speedups": table}, f, indent=1, default=float)
 
 
 def cpu_report(args) -> None:
@@ -207,13 +216,14 @@ def cpu_report(args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.calibrate or args.grpo_metrics or args.cpu_constants:
-        cpu_report(args)
-        if not args.also_gpu:
-            return
-    if not args.no_calibration and measured.available():
-        print(measured.calibration_report(log=lambda s: print(s, file=sys.stderr)) + "\n")
-    gpu_report(args)
+    with bench_common.markdown_report(args.out, "gpu_whatif.md", "What speculation buys on a GPU, predicted"):
+        if args.calibrate or args.grpo_metrics or args.cpu_constants:
+            cpu_report(args)
+            if not args.also_gpu:
+                return
+        if not args.no_calibration and measured.available():
+            print(measured.calibration_report(log=lambda s: print(s, file=sys.stderr)) + "\n")
+        gpu_report(args)
 
 
 if __name__ == "__main__":

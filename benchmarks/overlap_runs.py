@@ -5,10 +5,11 @@ Each config runs as shipped (``max_staleness: 0``, the sequential loop) and one 
 steps) and the long-tail task (its own 30 steps), each with and without speculation. Off-policy runs twice on
 the default task: with the engine and the trainer sharing both cores (``off-policy``, the placement as
 shipped) and with the cores split between them (``off-policy 1+1``); the long-tail task runs the split only.
+The default task's sequential runs are ``grpo_base`` and ``grpo_spec`` themselves (nothing to add to them).
 ``bench.py`` runs them seed-major, so every seed runs every variant before the next seed starts::
 
     python benchmarks/bench.py --sections grpo --steps 80 --seeds 0,1 --out results/overlap --variants \\
-        "$(cd benchmarks && python overlap_runs.py)"   # the 10 variants below, ";"-separated
+        "$(cd benchmarks && python overlap_runs.py)"   # the 10 runs below, ";"-separated
 
 The table (:func:`overlap_table`) gives, per run, the step and its phases, how long the step waited for
 rollouts, ``timing/overlap`` (the share of the step when a generation and the update both ran), the
@@ -37,20 +38,29 @@ _PAIRS: dict[str, tuple[str, list[str]]] = {
 # the 2 cores split: the engine's OpenMP threads bound to core 0, the trainer one thread (the scheduler puts it on
 # the other core), so the two sides overlap without taking each other's cores
 SPLIT = ["policy.generation.cpus_per_engine=1", "policy.cpus_per_worker=1", "policy.num_threads=1"]
-_MODES = {"sequential": [], "off-policy": OFF, "off-policy 1+1": OFF + SPLIT}
+_MODES = {"off-policy": OFF, "off-policy 1+1": OFF + SPLIT}
+# each pair's sequential run: on the default task the variant as shipped (grpo_base, grpo_spec: nothing to add);
+# on the long-tail task its own, pinned to the config's 30 steps as its off-policy run is
+SEQUENTIAL = {n: n if n.startswith("grpo_") else f"{n} sequential" for n in _PAIRS}
 VARIANTS: dict[str, tuple[str, list[str]]] = {
-    f"{n} {mode}": (c, o + extra)
-    for n, (c, o) in _PAIRS.items()
-    for mode, extra in _MODES.items()
-    if n.startswith("grpo_") or mode != "off-policy"  # the long-tail task: sequential and the split only
+    **{seq: _PAIRS[n] for n, seq in SEQUENTIAL.items() if seq != n},
+    **{
+        f"{n} {mode}": (c, o + extra)
+        for n, (c, o) in _PAIRS.items()
+        for mode, extra in _MODES.items()
+        if n.startswith("grpo_") or mode != "off-policy"  # the long-tail task: sequential and the split only
+    },
 }
-SEQUENTIAL_OF = {off: off.split(" off-policy")[0] + " sequential" for off in VARIANTS if "off-policy" in off}
+SEQUENTIAL_OF = {off: SEQUENTIAL[n] for n in _PAIRS for off in VARIANTS if off.startswith(f"{n} off-policy")}
+SPLIT_OF = {SEQUENTIAL[n]: f"{n} off-policy 1+1" for n in _PAIRS}
+# every run of the pairs, each pair's sequential run first: the table's rows and what to pass to --variants
+MEMBERS = [m for n in _PAIRS for m in (SEQUENTIAL[n], *(v for v in VARIANTS if v.startswith(f"{n} off-policy")))]
 
 
 def baseline(name: str) -> str:
     """The variant an overlap variant's speed is compared with in bench's tables: its task's sequential run
     without speculation."""
-    return "longtail base sequential" if name.startswith("longtail ") else "grpo_base sequential"
+    return SEQUENTIAL["longtail base" if name.startswith("longtail ") else "grpo_base"]
 
 
 def _mean(rows: list[dict], key: str):
@@ -79,7 +89,7 @@ def overlap_table(
     """One row per seed of each variant of an overlap pair (``per_seed``: bench's ``step_stats``; ``runs``:
     the metrics rows; ``dirs``: the run folders), then each pair's off-policy / sequential ratios of bench's
     means over seeds (``stats``)."""
-    names = [n for n in VARIANTS if n in stats]
+    names = [n for n in MEMBERS if n in stats]
     lines = [
         "| variant | seed | step (s, median) | generation (s) | train (s) | waited for rollouts (s) | "
         "timing/overlap | staleness | acceptance length | logprob_mismatch | held-out accuracy, step 0 → last |",
@@ -144,7 +154,7 @@ def split_table(stats: dict[str, dict], devices: int = 8) -> str:
     for seq in dict.fromkeys(SEQUENTIAL_OF.values()):
         if seq not in stats:
             continue
-        ph, split = phases(stats[seq]), stats.get(seq.replace("sequential", "off-policy 1+1"))
+        ph, split = phases(stats[seq]), stats.get(SPLIT_OF[seq])
         ideal = {e: modelled_step(ph, devices, e) / sum(ph.values()) for e in range(1, devices)}
         best = min(ideal, key=ideal.get)
         lines.append(
@@ -156,4 +166,4 @@ def split_table(stats: dict[str, dict], devices: int = 8) -> str:
 
 
 if __name__ == "__main__":
-    print(";".join(VARIANTS))
+    print(";".join(MEMBERS))

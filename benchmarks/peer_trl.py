@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+import bench_common
+
 
 def run_trl(config_path: str, steps: int, out_dir: Path, log=print, overrides: list[str] | None = None) -> dict:
     """Train ``steps`` GRPO steps with TRL on the config with ``overrides``; returns per-step times and a summary."""
@@ -179,7 +181,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/grpo_base.yaml")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--out", default="results/bench")
+    bench_common.add_out(p, "peer", "peer_trl.json")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. policy.precision=fp32")
     a = p.parse_args(argv)
     out = Path(a.out)

@@ -1,8 +1,8 @@
 """Refit gather: the whole state dict in one object against bounded buckets.
 
-    python benchmarks/refit.py                      # toy and a random Qwen3-0.6B-shape model, ~5 min on 2 cores
-    python benchmarks/refit.py --models toy --repeats 5
-    python benchmarks/refit.py --zero-copy          # the same with Ray's zero-copy torch tensors
+    python -m benchmarks refit                      # toy and a random Qwen3-0.6B-shape model, ~5 min on 2 cores
+    python -m benchmarks refit --models toy --repeats 5
+    python -m benchmarks refit --zero-copy          # the same with Ray's zero-copy torch tensors
 
 For each model and policy layout (1 worker; 2 FSDP2 workers), the policy group
 hands out its weights as the engines would take them, and this process plays
@@ -22,17 +22,20 @@ and engine processes. Every process must run on this host (``/proc``). The
 Qwen3-0.6B-shape model is ``transformers.Qwen3Config`` with that architecture,
 randomly initialised in float32 (no download), saved once under
 ``$RL_SPECDEC_CACHE`` (default ``~/.cache/rl_specdec``).
-Prints a markdown table.
+Prints a markdown table and writes it (``refit.md``) and the figures (``refit.json``) to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import threading
 import time
 from pathlib import Path
+
+import bench_common
 
 MIB = 2**20
 QWEN3_0P6B = dict(  # Qwen/Qwen3-0.6B's config.json, shape only
@@ -189,7 +192,8 @@ def measure(cfg, mode: str, repeats: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_common.add_out(p, "refit", "refit.md, refit.json")
     p.add_argument("--models", default="toy,qwen3-0.6b", help="comma-separated: toy, qwen3-0.6b")
     p.add_argument(
         "--layouts", default="1xddp,2xfsdp2", help="comma-separated WORKERSxSTRATEGY, e.g. 1xddp,2xddp,2xfsdp2"
@@ -214,15 +218,20 @@ def main(argv=None) -> int:
 
     import ray
 
-    from rl_specdec.config import PolicyConfig
-
     buckets = {k: float(v) for k, v in (kv.split("=") for kv in args.bucket_mib.split(","))}
     ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False)
-    print(
-        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (figures from a busy machine are not "
-        "comparable); "
-        f"zero-copy tensors: {'on' if args.zero_copy else 'off'}\n"
-    )
+    head = f"{bench_common.header(versions=False)}; zero-copy tensors: {'on' if args.zero_copy else 'off'}"
+    with bench_common.markdown_report(args.out, "refit.md", "Refit gather: whole against bucketed", head):
+        results = measure_all(args, buckets)
+    (Path(args.out) / "refit.json").write_text(json.dumps({"machine": head, "rows": results}, indent=1))
+    return 0
+
+
+def measure_all(args, buckets: dict[str, float]) -> list[dict]:
+    """Every model, layout and mode: the table printed row by row, and each row's figures."""
+    from rl_specdec.config import PolicyConfig
+
+    results = []
     rows = [
         "| model | layout | refit | objects | MiB moved | time (s) | rank-0 heap, peak added (MiB) | engine heap, "
         "peak added (MiB) | object store, peak added (MiB) |",
@@ -242,6 +251,7 @@ def main(argv=None) -> int:
             )
             for mode in ("whole", "bucketed"):
                 r = measure(cfg, mode, args.repeats)
+                results.append(dict(model=name, layout=layout, mode=mode, bucket_mib=buckets[name], **r))
                 label = mode if mode == "whole" else f"bucketed ({buckets[name]:g} MiB)"
                 rows.append(
                     f"| {name} | {workers} x {strategy} | {label} | {r['objects']} | {r['bytes'] / MIB:.0f} | "
@@ -250,7 +260,7 @@ def main(argv=None) -> int:
                 )
                 print(rows[-1], flush=True)
     print("\n" + "\n".join(rows))
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ calls, each on a different batch of prompts (the same batches for every
 method). Nothing else should run on the machine meanwhile: on a 2-core
 machine a concurrent job changes every number (the script prints the load average).
 
-    python benchmarks/rollout.py                 # full grid (~15 min on 2 cores)
-    python benchmarks/rollout.py --quick         # k=3, batch sizes 8 and 64, T=1, 1 repeat
-    python benchmarks/rollout.py --engines --out results/bench
+    python -m benchmarks rollout                 # full grid (~15 min on 2 cores); or python benchmarks/rollout.py
+    python -m benchmarks rollout --quick         # k=3, batch sizes 8 and 64, T=1, 1 repeat
+    python -m benchmarks rollout --engines       # and 1 engine on all cores against one per core
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import bench_common
+from bench_common import cores_and_load, log  # noqa: F401  (the studies take both from here)
 from rollout_report import METHODS, engines_table, engines_verdict, fmt, method_table, plot_methods, speedup_table
 
 # vLLM's dynamic speculation (num_speculative_tokens_per_batch_size): inclusive
@@ -155,10 +155,6 @@ def warm_up(g, prompts, max_tokens):
     return time.perf_counter() - t0
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
@@ -174,7 +170,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick", action="store_true", help="k=3 only, batch sizes 8 and 64, temperature 1, 1 repeat, eager engines"
     )
-    p.add_argument("--out", default="results/bench", help="folder for rollout.md, rollout.json and the plots")
+    bench_common.add_out(p, "rollout", "rollout.md, rollout.json and the plots")
     p.add_argument(
         "--engines", action="store_true", help="also compare 1 engine x all cores with 1 engine per core (batch 128)"
     )
@@ -227,31 +223,12 @@ def finish_args(args: argparse.Namespace) -> None:
         raise ValueError("method suffix needs the arctic-inference package: bash scripts/install_arctic_inference.sh")
 
 
-_warned_load = False
-
-
-def cores_and_load() -> tuple[int, float]:
-    """Usable cores and the 1-minute load average; warns (once per process) when
-    another job is running, because every timing would be off."""
-    global _warned_load
-    from rl_specdec.toy.presets import usable_cores
-
-    cores = usable_cores()
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    if load > 0.5 * cores and not _warned_load:
-        log(f"WARNING: load average {load:.2f} on {cores} cores: another job is running, numbers will be noisy")
-        _warned_load = True
-    return cores, load
-
-
 def machine_header(args) -> tuple[str, int]:
-    import vllm
-
-    cores, load = cores_and_load()
+    cores, _ = cores_and_load()
     header = (
-        f"rollout benchmark: toy policy/drafter, vLLM {vllm.__version__}, {platform.machine()} {cores} cores, "
-        f"dtype {args.dtype}, {'eager' if args.eager else 'torch.compile'}, max_tokens {args.max_tokens}, "
-        f"{args.repeats} timed call(s) per cell after 1 warm-up call per engine, load average at start {load:.2f}"
+        f"rollout benchmark: toy policy/drafter, {bench_common.header()}; dtype {args.dtype}, "
+        f"{'eager' if args.eager else 'torch.compile'}, max_tokens {args.max_tokens}, "
+        f"{args.repeats} timed call(s) per cell after 1 warm-up call per engine"
     )
     return header, cores
 

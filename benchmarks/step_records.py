@@ -25,12 +25,14 @@ class StepRecordExtension(RlSpecdecExtension):
         return out
 
 
-def importable() -> None:
-    """This folder on PYTHONPATH, for the Ray workers and engine processes started after this call."""
-    here = str(Path(__file__).resolve().parent)
+def importable(*folders: Path) -> None:
+    """This folder (and ``folders``: a study's own, for its modules the actors load) on PYTHONPATH, for the Ray
+    workers and engine processes started after this call."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if here not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
+    for here in (str(Path(f).resolve()) for f in (Path(__file__).parent, *folders)):
+        if here not in paths:
+            paths.insert(0, here)
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
 
 
 def engine_group(extension: bool):

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rl_specdec.toy.presets import usable_cores
+
 PACKAGES = (
     "rl_specdec",
     "torch",
@@ -45,7 +47,7 @@ def _version(name: str) -> str | None:
         return None
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -53,6 +55,52 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+# the best of the vector extensions the CPU kernels use, from /proc/cpuinfo's flags (highest first)
+_ISA = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+_MODEL_NOISE = ("(R)", "(TM)", "(tm)", "(r)")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cpu_family(model: str) -> str:
+    """Vendor and family words of a CPU model name: "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz" ->
+    "Intel Xeon", "AMD EPYC 7B13 64-Core Processor" -> "AMD EPYC"; the words before the first with a digit
+    or a generic one, at most two."""
+    for noise in _MODEL_NOISE:
+        model = model.replace(noise, " ")
+    words = []
+    for w in model.split():
+        if any(c.isdigit() for c in w) or w in ("CPU", "Processor", "@") or len(words) == 2:
+            break
+        words.append(w)
+    return " ".join(words) or model.strip() or "unknown CPU"
+
+
+def machine_label() -> str:
+    """A short name for the machine a figure was measured on, for report headers: the GPU's name where CUDA is
+    present ("NVIDIA H100 80GB HBM3", "2x ..." for several), else the CPU's vendor and family, its usable cores
+    and its best vector extension, e.g. "AMD EPYC 2c AVX-512", "Intel Xeon 2c AMX"."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            return ("" if n == 1 else f"{n}x ") + torch.cuda.get_device_name(0)
+    except ImportError:  # a CPU label needs no torch
+        pass
+    flags = _cpu_flags()
+    isa = next((name for flag, name in _ISA if flag in flags), None)
+    return " ".join(x for x in (_cpu_family(cpu_model()), f"{usable_cores()}c", isa) if x)
 
 
 def loaded_runtime_libs() -> list[str]:
@@ -92,13 +140,13 @@ def _backend() -> dict[str, Any]:
 
 def collect() -> dict[str, Any]:
     """Everything the report shows, as a dict."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
+        "label": machine_label(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "packages": {p: _version(p) for p in PACKAGES},
-        "cpu": _cpu_model(),
-        "cores_usable": cores,
+        "cpu": cpu_model(),
+        "cores_usable": usable_cores(),
         "cores_total": os.cpu_count(),
         "threads": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "LD_PRELOAD")},
         "runtime_libs_loaded": loaded_runtime_libs(),

@@ -141,3 +141,4 @@ def test_environment_report_runs_and_names_the_vllm_version():
     ).stdout
     assert f"vllm: {vllm.__version__}" in out
     assert "cores_usable:" in out and "cpu_sampling_fix_applies:" in out and "LD_PRELOAD" in out
+    assert "label: " in out  # the machine label every benchmark report is headed with

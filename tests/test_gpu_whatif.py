@@ -1,4 +1,4 @@
-"""benchmarks/gpu_whatif.py (issue 25): the cost model against hand-computed cases, the simulator's token
+"""benchmarks/gpu_whatif.py: the cost model against hand-computed cases, the simulator's token
 accounting, the package's controller reaching the top bound where drafting is free, the calibration fit.
 Pure numpy: no engines, no Ray. Each test has a case that makes it fail if the code it covers is broken."""
 

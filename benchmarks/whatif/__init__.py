@@ -1,4 +1,4 @@
-"""What speculation buys on a GPU, predicted (issue 25).
+"""What speculation buys on a GPU, predicted.
 
 A step-cost model t(b, k) per (device, model pair) from each device's roofline
 (:mod:`.hardware`, :mod:`.models`, :mod:`.costmodel`), calibrated where we can

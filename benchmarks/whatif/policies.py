@@ -6,7 +6,7 @@ Static (k from the batch size and the request; :func:`.simulate.simulate_static`
 * ``k=K``: vLLM's fixed ``num_speculative_tokens``;
 * ``vLLM schedule``: ``num_speculative_tokens_per_batch_size``, default [[1,16,5],[17,64,3],[65,1024,2]];
 * ``FastGRPO``: speculate (k) only while fewer than ``threshold`` requests run (its concurrency-aware rule,
-  FastGRPO arXiv 2509.21792, reduced to a threshold as issue 25 states it);
+  FastGRPO arXiv 2509.21792, reduced to its threshold on running requests);
 * ``DAS``: a per-trajectory budget from the predicted length (DAS arXiv 2511.13841: longer trajectories get
   more aggressive drafts). Our reading: k_r = ceil(K pred_r / max pred), at least 1, with the predicted
   length the true one times exp(N(0, 0.5^2)) (DAS predicts from the prompt's past rollouts; the noise is our

@@ -14,7 +14,7 @@ ANCHORS = [
     (
         "SkyRL, MTP, 8xH100",
         "rollout 2.03x, step 1.62x, E[L] 3.32",
-        "issue 25 (SkyRL's report; model not stated there)",
+        "SkyRL's report, quoted second-hand (model not stated there)",
         "H100 SXM",
         "8B+MTP",
         ["k=4", "k=5"],
@@ -38,7 +38,7 @@ ANCHORS = [
     (
         "verl, MTP, H20",
         "rollout -50% (slower; k not stated)",
-        "issue 25 (verl)",
+        "verl's report, quoted second-hand",
         "H20",
         "8B+MTP",
         ["k=1", "k=2", "k=3", "vLLM schedule"],

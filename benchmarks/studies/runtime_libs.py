@@ -1,7 +1,7 @@
 """Do preloaded runtime libraries (Intel OpenMP, tcmalloc) pay on this CPU? Measured side by side.
 
-    python benchmarks/runtime_libs.py                      # 3 rounds, ~35 min on 2 cores
-    python benchmarks/runtime_libs.py --rounds 1 --quick   # a smoke run
+    python benchmarks/studies/runtime_libs.py                      # 3 rounds, ~35 min on 2 cores
+    python benchmarks/studies/runtime_libs.py --rounds 1 --quick   # a smoke run
 
 vLLM warns at every CPU start that speculative decoding without Intel OpenMP
 (and tcmalloc) in ``LD_PRELOAD`` "will cause significant performance loss".
@@ -35,8 +35,9 @@ import statistics
 import sys
 from pathlib import Path
 
-import bench
+import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path)
 import rollout
+from bench_runs import run_grpo
 from rollout import cores_and_load, log
 
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
@@ -81,7 +82,7 @@ def grpo_round(args, preload: str, rnd: int) -> list[dict]:
     for name, config in (("grpo_base", "configs/grpo_base.yaml"), ("grpo_spec", "configs/grpo_spec.yaml")):
         over = [f"policy.generation.env_vars.LD_PRELOAD={preload}"] if preload else []
         tag = f"{name} {args.variant_names[preload]} r{rnd}"
-        steps = bench.run_grpo(tag, config, over, args.steps, args.out, quick=args.quick, seed=0)
+        steps = run_grpo(tag, config, over, args.steps, args.out, quick=args.quick, seed=0)
         gen = statistics.median(r["timing/generation"] for r in steps[1:])
         rows.append({"job": name, "generation_s": gen})
     return rows

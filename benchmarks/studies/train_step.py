@@ -1,4 +1,4 @@
-"""The policy's train step on the default run's batch, per ``policy.precision`` (issue 29).
+"""The policy's train step on the default run's batch, per ``policy.precision``.
 
 The batch has the default run's shape (configs/grpo_spec.yaml): 64 sorting
 prompts of 4-8 digits x 8 samples = 512 sequences (6-10 prompt tokens; as
@@ -9,8 +9,8 @@ frozen reference as grpo.log_kl keeps. A fresh batch every step, so the
 shapes vary as in a run. One worker per precision in this process, the
 precisions interleaved step by step, after two warm-up steps::
 
-    python benchmarks/train_step.py                       # fp32 vs bf16-mixed, seeds 0 and 1, 6 steps each
-    python benchmarks/train_step.py --profile bf16-mixed  # and a profile of one step: self time by op and input dtype
+    python benchmarks/studies/train_step.py                       # fp32 vs bf16-mixed, seeds 0 and 1, 6 steps each
+    python benchmarks/studies/train_step.py --profile bf16-mixed  # and a profile of one step: self time by op, dtype
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def profile_step(w, batch, loss_fn, top: int) -> None:
         print(f"  {name:34s} {dt:14s} {us / 1e6:8.3f} {us / total:6.1%}")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16-mixed"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=64)
     ap.add_argument("--profile", default=None, help="a precision to profile one step of")
     ap.add_argument("--top", type=int, default=20)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from rl_specdec.grpo import ClippedPGLoss
 
     loss_fn = ClippedPGLoss(0.2, kl_coef=0.0)

@@ -21,7 +21,7 @@ step's batch, linear between the table's batch sizes) over their measured time, 
 request gained per step in the tail (at most 2 requests running) and in the bulk. Every record is kept in
 ``--out``::
 
-    python benchmarks/grpo_gap.py --steps 5 --seeds 0,1
+    python benchmarks/studies/grpo_gap.py --steps 5 --seeds 0,1
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ import statistics
 import time
 from pathlib import Path
 
+import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path)
 import numpy as np
 from rollout import cores_and_load, log
 from step_records import engine_group, importable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "docs/data/cost_table_wide.json"
 CONTROL = "policy.generation.speculation_control"
 SPEC = "policy.generation.vllm_kwargs.speculative_config"

@@ -1,5 +1,5 @@
 """Requests/s and latency of the OpenAI server under 1, 16 and 64 concurrent chat clients: the
-hand-written server that issue 18 replaced ("legacy") against vLLM's own app ("vllm"), side by side.
+hand-written server that vLLM's app replaced ("legacy") against vLLM's own app ("vllm"), side by side.
 
 Both servers are mounted on the **same** engine (one async engine actor, the toy
 policy, ``--spec`` speculation), on the same event loop, so the engine settings
@@ -21,8 +21,8 @@ request, which is far less sensitive to other load than wall-clock figures.
 
 Nothing else should run on the machine meanwhile.
 
-    python benchmarks/server_concurrency.py
-    python benchmarks/server_concurrency.py --repeats 3 --out results/server_ab
+    python benchmarks/studies/server_concurrency.py
+    python benchmarks/studies/server_concurrency.py --repeats 3 --out results/server_ab
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pathlib import Path
 from rl_specdec.rollout.group import AsyncVllmGeneration
 from rl_specdec.rollout.serving.async_worker import AsyncVllmWorker
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LEGACY_REV = "f0082a6"  # the last commit with the hand-written server (then rl_specdec/generation/server.py)
 LEGACY_PATH = "rl_specdec/generation/server.py"
 SERVERS = ("legacy", "vllm")

@@ -19,8 +19,8 @@ A rule's time is the sum over batch sizes of the mix's tokens times the rule's t
 bucket's where a batch size has no step at that k). So exploration, warm-up and calls' fixed costs are not
 in it: it is the ceiling of a per-bucket rule on these calls, not a GRPO run::
 
-    python benchmarks/k_profile.py --steps 6 --seeds 0,1,2                  # 7 min on 2 cores
-    python benchmarks/k_profile.py --report docs/data/k_profile_wide.json \\
+    python benchmarks/studies/k_profile.py --steps 6 --seeds 0,1,2                  # 7 min on 2 cores
+    python benchmarks/studies/k_profile.py --report docs/data/k_profile_wide.json \\
         --controller-runs "results/wide1[45]/runs/*/wide_adaptive*/metrics.jsonl"   # again, no engine
 """
 
@@ -33,11 +33,12 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path)
 from rollout import cores_and_load, log
 from step_records import engine_group, importable
 from whatif.report import table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/grpo_spec_wide.yaml"
 SCHEDULE = [[1, 2, 5], [3, 4, 4], [5, 16, 2], [17, 1024, 0]]  # the corrected schedule (bench variant)
 KS = range(6)

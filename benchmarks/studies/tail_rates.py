@@ -1,7 +1,7 @@
 """Where in a default-task call speculation pays: kept tokens per second per batch-size bucket, per engine.
 
 Engines built from configs/grpo_spec.yaml as a run builds them (``load_config``), alive side by side, make
-the default run's generate calls (benchmarks/k0_cost.py's ``default_calls``), calls interleaved with the
+the default run's generate calls (benchmarks/studies/k0_cost.py's ``default_calls``), calls interleaved with the
 engine order rotating each round. Every engine step is recorded (benchmarks/step_records.py). Engines:
 
 * ``k=0 everywhere``: run-time k with k=0 everywhere (the fast path; the reference);
@@ -13,7 +13,7 @@ sums per seed), the time spent in steps below 32 running requests, and per bucke
 second over the steps that continue a call (a call's first step admits every prompt), with the step
 count, and the k each engine drafted there. The records go to ``--out``::
 
-    python benchmarks/tail_rates.py --rounds 8 --seeds 0,1
+    python benchmarks/studies/tail_rates.py --rounds 8 --seeds 0,1
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path)
 from rollout import cores_and_load, log
 from step_records import engine_group, importable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONTROL = "policy.generation.speculation_control"
 ENGINES = {  # name -> (overrides of configs/grpo_spec.yaml, k set after start or None)
     "k=0 everywhere": ([f"{CONTROL}.mode=fixed"], 0),

@@ -1,0 +1,65 @@
+"""python -m benchmarks <command> [args]: one entry point to the benchmarks, one command per question.
+
+    python -m benchmarks --help              # the commands, each with the question it answers
+    python -m benchmarks grpo --quick        # the shipped default against no speculation, small
+    python -m benchmarks <command> --help    # a command's own options
+
+Each command writes its report (markdown, JSON, plots where it draws them) to results/<command> unless --out
+says otherwise, headed by the machine it ran on. The one-off studies behind docs' experiments are in
+benchmarks/studies/ (benchmarks/README.md maps them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import NamedTuple
+
+# the tools import each other as siblings (they also run as python benchmarks/<tool>.py)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+class Command(NamedTuple):
+    module: str  # a module in benchmarks/
+    function: str  # its entry point: function(argv) -> exit status or None
+    question: str  # what it answers, for --help
+
+
+COMMANDS: dict[str, Command] = {
+    "grpo": Command("bench", "grpo_main", "How much faster is a GRPO step with speculation? Variants side by side"),
+    "staleness": Command("bench", "staleness_main", "Does a frozen drafter go stale while the policy trains?"),
+    "peer": Command("bench", "peer_main", "How does a step compare with TRL's GRPOTrainer on the same task?"),
+    "rollout": Command("rollout", "main", "Which speculation method and k generate fastest, per batch size?"),
+    "cost-table": Command("cost_table", "main", "What does an engine step cost at batch b and k drafts, measured?"),
+    "gpu-whatif": Command("gpu_whatif", "main", "What would speculation buy on a GPU? (a model, not a measurement)"),
+    "gpu-torch": Command("gpu_torch", "main", "How fast are the train step and decode kernels on this GPU?"),
+    "refit": Command("refit", "main", "What does handing the weights to the engines cost, whole or bucketed?"),
+    # the lead's registry line: "exactness": Command("exactness", "main", "..."),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [__doc__.strip(), "", "commands:"]
+    lines += [f"  {name:<{width}}  {c.question}" for name, c in COMMANDS.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.stdout.write(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        sys.stderr.write(f"python -m benchmarks: unknown command {name!r}; choose from {', '.join(COMMANDS)}\n")
+        return 2
+    cmd = COMMANDS[name]
+    sys.argv = [f"python -m benchmarks {name}", *rest]  # the tool's --help and errors name the command
+    status = getattr(importlib.import_module(cmd.module), cmd.function)(rest)
+    return status or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

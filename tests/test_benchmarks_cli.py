@@ -1,0 +1,140 @@
+"""``python -m benchmarks``: every command is listed and takes --help, every study still runs as a script, the
+GRPO command's defaults come from the shipped config, and no two GRPO variants run the same settings. No engine
+starts: only parsers and configs are exercised."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+COMMANDS = ("grpo", "staleness", "peer", "rollout", "cost-table", "gpu-whatif", "gpu-torch", "refit")
+STUDIES = (
+    "agent_success",
+    "grpo_gap",
+    "k0_cost",
+    "k_profile",
+    "runtime_libs",
+    "server_concurrency",
+    "tail_rates",
+    "train_step",
+)
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+# One process per group, each importing torch once: `python -m benchmarks <command> --help` is __main__.main,
+# and `python <study>.py --help` is the script run as __main__ with its folder first on sys.path.
+RUNNER = textwrap.dedent(
+    """
+    import os, runpy, sys
+    kind, names = sys.argv[1], sys.argv[2:]
+    codes = {}
+    for name in names:
+        if kind == "command":
+            from benchmarks.__main__ import main
+            call = lambda: main([name, "--help"])
+        else:
+            sys.argv = [name, "--help"]
+            sys.path.insert(0, os.path.dirname(name))
+            call = lambda: runpy.run_path(name, run_name="__main__")
+        try:
+            codes[name] = call()
+        except SystemExit as e:
+            codes[name] = e.code
+    print("CODES", repr(codes))
+    """
+)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def _codes(proc: subprocess.CompletedProcess) -> dict:
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("CODES ")), None)
+    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return eval(line[len("CODES ") :])  # noqa: S307  (our runner's repr of a dict of names and exit codes)
+
+
+def test_help_lists_every_command_and_each_command_and_study_takes_help():
+    with ThreadPoolExecutor(3) as pool:
+        top = pool.submit(_run, "-m", "benchmarks", "--help")
+        commands = pool.submit(_run, "-c", RUNNER, "command", *COMMANDS)
+        studies = pool.submit(_run, "-c", RUNNER, "study", *(str(BENCHMARKS / "studies" / f"{s}.py") for s in STUDIES))
+    listed = {line.split()[0] for line in top.result().stdout.split("commands:")[1].splitlines() if line.strip()}
+    assert top.result().returncode == 0 and listed == set(COMMANDS)
+    got = _codes(commands.result())
+    assert got == {c: 0 for c in COMMANDS}, commands.result().stderr[-2000:]
+    assert "usage: python -m benchmarks grpo" in commands.result().stdout  # the tool's help names the command
+    got = _codes(studies.result())
+    assert got == {str(BENCHMARKS / "studies" / f"{s}.py"): 0 for s in STUDIES}, studies.result().stderr[-2000:]
+
+
+def test_an_unknown_command_is_refused_with_the_choices():
+    proc = _run("-m", "benchmarks", "exactnes")
+    assert proc.returncode == 2 and "unknown command 'exactnes'" in proc.stderr and "grpo" in proc.stderr
+
+
+def test_grpo_steps_default_to_the_shipped_config_and_quick_runs_the_default_against_its_baseline():
+    import bench_args
+
+    from rl_specdec.config import load_config
+
+    shipped = load_config(ROOT / "configs/grpo_spec.yaml", resolve_models=False).grpo.max_steps
+    b = bench_args.parse(["--variants", "grpo_base;draft k=2"], "doc", "grpo")
+    assert b.steps == shipped and b.sections == ["grpo"] and b.out == Path("results/grpo")
+    assert b.args.lockstep is False  # only --quick turns it on by itself
+    q = bench_args.parse(["--quick"], "doc", "grpo")
+    assert q.names == ["grpo_base", "grpo_spec"] and q.steps == bench_args.QUICK_STEPS and q.args.lockstep
+    assert bench_args.parse(["--quick", "--steps", "7", "--no-lockstep"], "doc", "grpo").steps == 7
+    assert bench_args.parse(["--variants", "grpo_base"], "doc", "staleness").sections == ["grpo", "staleness"]
+    with pytest.raises(SystemExit):
+        bench_args.parse(["--sections", "grpo"], "doc", "grpo")  # one section per command
+
+
+def test_no_two_grpo_variants_run_the_same_settings():
+    """Each variant's effective config (as bench_runs runs it, with a --steps of its own) differs from every
+    other's, but for the deliberate pairs: the A/A control, and the precision pins (one of each pair is what
+    precision=auto picks on a given machine)."""
+    from bench_variants import GRPO_VARIANTS, PRECISION_VARIANTS, REPO
+
+    from rl_specdec.config import load_config
+
+    allowed = {"grpo_base again"} | PRECISION_VARIANTS
+    seen: dict[str, str] = {}
+    for name, (config, overrides) in GRPO_VARIANTS.items():
+        cfg = dataclasses.asdict(load_config(REPO / config, ["grpo.max_steps=7", *overrides], resolve_models=False))
+        cfg.pop("logger")  # each run logs to its own folder
+        key = repr(sorted(cfg.items()))
+        assert name in allowed or key not in seen, f"{name!r} runs the settings of {seen.get(key)!r}"
+        seen.setdefault(key, name)
+
+
+def test_machine_label_names_vendor_family_cores_and_best_vector_extension(monkeypatch):
+    import torch
+
+    from rl_specdec import sysinfo
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sysinfo, "usable_cores", lambda: 2)
+    monkeypatch.setattr(sysinfo, "cpu_model", lambda: "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz")
+    monkeypatch.setattr(sysinfo, "_cpu_flags", lambda: {"avx2", "avx512f", "amx_tile"})
+    assert sysinfo.machine_label() == "Intel Xeon 2c AMX"
+    monkeypatch.setattr(sysinfo, "cpu_model", lambda: "AMD EPYC 7B13 64-Core Processor")
+    monkeypatch.setattr(sysinfo, "_cpu_flags", lambda: {"avx2"})
+    assert sysinfo.machine_label() == "AMD EPYC 2c AVX2"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H100 80GB HBM3")
+    assert sysinfo.machine_label() == "NVIDIA H100 80GB HBM3"
