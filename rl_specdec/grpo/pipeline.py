@@ -186,7 +186,7 @@ def shared_cores(cfg: RunConfig, cores: int) -> str | None:
         f"grpo.max_staleness=1 generates while the policy trains, but the engines' {engine} cores "
         f"(policy.generation.num_engines x cpus_per_engine) and the trainer's {trainer} threads (policy.num_threads "
         f"x num_workers) need more than this host's {cores} cores: each side will slow the other down (several "
-        "times on a 2-core CPU; docs/performance.md, section 14). Split the cores, e.g. "
+        'times on a 2-core CPU; docs/performance.md, "One step off-policy"). Split the cores, e.g. '
         f"policy.generation.cpus_per_engine={max(1, (cores - p.num_workers) // gen.num_engines)} "
         f"policy.num_threads=1, or set grpo.max_staleness=0"
     )
