@@ -1,5 +1,6 @@
 """Config loading: inheritance, interpolation, overrides, and load-time errors."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,14 +15,34 @@ SPEC = ROOT / "configs" / "grpo_spec.yaml"
 
 
 def test_every_shipped_config_validates():
+    """Every key of every shipped config, its vllm_kwargs and speculative_config against vLLM's declarations;
+    no model is built or fetched (test_resolved_toy_config_fills_rl_defaults resolves one)."""
     for path in sorted((ROOT / "configs").glob("*.yaml")):
-        toy = path.name.startswith("grpo_")
-        cfg = load_config(path, resolve_models=toy)
+        cfg = load_config(path, resolve_models=False)
         spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
         if path.name.startswith("grpo_base"):
             assert spec is None
         else:
             assert spec["num_speculative_tokens"] >= 1
+
+
+GPU_CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("qwen3_*.yaml"))
+SPEC_KEY = "policy.generation.vllm_kwargs.speculative_config"
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_gpu_configs_are_validated_against_vllm_without_their_models(name):
+    """resolve_models=False still checks vllm_kwargs and speculative_config against vLLM: a misspelled key or a
+    method vLLM does not declare fails, named, without a model file or a download."""
+    path = ROOT / "configs" / name
+    load_config(path, resolve_models=False)
+    for edit, needle in (
+        (f"{SPEC_KEY}.num_speculative_tokenz=3", "speculative_config.num_speculative_tokenz is not a field of vLLM"),
+        (f"{SPEC_KEY}.method=eagle4", "speculative_config.method='eagle4' is not a vLLM speculative method"),
+        ("policy.generation.vllm_kwargs.max_modle_len=64", "vllm_kwargs.max_modle_len is not a vLLM engine argument"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            load_config(path, [edit], resolve_models=False)
 
 
 # What each GPU config states in its header comment it needs.
