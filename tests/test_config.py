@@ -45,6 +45,19 @@ def test_gpu_configs_are_validated_against_vllm_without_their_models(name):
             load_config(path, [edit], resolve_models=False)
 
 
+def test_validation_reads_no_model_file_and_resolution_does(tmp_path, monkeypatch):
+    """resolve_models=False: names are checked, nothing is built or looked up on disk; resolution does both."""
+    monkeypatch.setenv("RL_SPECDEC_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=r"policy.model_name='toy:nope': the embedded models are toy:policy"):
+        load_config(SPEC, ["policy.model_name=toy:nope"], resolve_models=False)
+    elsewhere = ["policy.model_name=/on/the/cluster/qwen3", f"{SPEC_KEY}.model=/on/the/cluster/qwen3-0.6b"]
+    cfg = load_config(SPEC, elsewhere, resolve_models=False)  # a config for another machine validates here
+    assert cfg.policy.generation.vllm_kwargs["speculative_config"]["model"] == "/on/the/cluster/qwen3-0.6b"
+    assert not (tmp_path / "cache").exists()  # toy:policy was not built
+    with pytest.raises(ConfigError, match=r"policy.model_name='/on/the/cluster/qwen3' is not a directory"):
+        load_config(SPEC, elsewhere)
+
+
 # What each GPU config states in its header comment it needs.
 STATED_HARDWARE = {
     "qwen3_draft_model.yaml": {"GPU": 8, "CPU": 32},
