@@ -8,7 +8,7 @@ sit side by side. Families of keys whose names depend on the run (acceptance
 per draft position, k per batch-size bucket) are expanded from the keys of a
 local run's ``metrics.jsonl`` (``--run``); a panel with none of its keys in
 that run is left out, so no panel is empty. Needs the ``wandb-workspaces``
-package (``pip install wandb-workspaces``) and a wandb login to save.
+package (``pip install wandb-workspaces``, in the ``dashboard`` and ``dev`` extras) and a wandb login to save.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Config loading: inheritance, interpolation, overrides, and load-time errors."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,14 +15,47 @@ SPEC = ROOT / "configs" / "grpo_spec.yaml"
 
 
 def test_every_shipped_config_validates():
+    """Every key of every shipped config, its vllm_kwargs and speculative_config against vLLM's declarations;
+    no model is built or fetched (test_resolved_toy_config_fills_rl_defaults resolves one)."""
     for path in sorted((ROOT / "configs").glob("*.yaml")):
-        toy = path.name.startswith("grpo_")
-        cfg = load_config(path, resolve_models=toy)
+        cfg = load_config(path, resolve_models=False)
         spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
         if path.name.startswith("grpo_base"):
             assert spec is None
         else:
             assert spec["num_speculative_tokens"] >= 1
+
+
+GPU_CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("qwen3_*.yaml"))
+SPEC_KEY = "policy.generation.vllm_kwargs.speculative_config"
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_gpu_configs_are_validated_against_vllm_without_their_models(name):
+    """resolve_models=False still checks vllm_kwargs and speculative_config against vLLM: a misspelled key or a
+    method vLLM does not declare fails, named, without a model file or a download."""
+    path = ROOT / "configs" / name
+    load_config(path, resolve_models=False)
+    for edit, needle in (
+        (f"{SPEC_KEY}.num_speculative_tokenz=3", "speculative_config.num_speculative_tokenz is not a field of vLLM"),
+        (f"{SPEC_KEY}.method=eagle4", "speculative_config.method='eagle4' is not a vLLM speculative method"),
+        ("policy.generation.vllm_kwargs.max_modle_len=64", "vllm_kwargs.max_modle_len is not a vLLM engine argument"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            load_config(path, [edit], resolve_models=False)
+
+
+def test_validation_reads_no_model_file_and_resolution_does(tmp_path, monkeypatch):
+    """resolve_models=False: names are checked, nothing is built or looked up on disk; resolution does both."""
+    monkeypatch.setenv("RL_SPECDEC_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=r"policy.model_name='toy:nope': the embedded models are toy:policy"):
+        load_config(SPEC, ["policy.model_name=toy:nope"], resolve_models=False)
+    elsewhere = ["policy.model_name=/on/the/cluster/qwen3", f"{SPEC_KEY}.model=/on/the/cluster/qwen3-0.6b"]
+    cfg = load_config(SPEC, elsewhere, resolve_models=False)  # a config for another machine validates here
+    assert cfg.policy.generation.vllm_kwargs["speculative_config"]["model"] == "/on/the/cluster/qwen3-0.6b"
+    assert not (tmp_path / "cache").exists()  # toy:policy was not built
+    with pytest.raises(ConfigError, match=r"policy.model_name='/on/the/cluster/qwen3' is not a directory"):
+        load_config(SPEC, elsewhere)
 
 
 # What each GPU config states in its header comment it needs.

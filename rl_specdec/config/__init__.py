@@ -4,8 +4,9 @@ Every config dataclass lives here, one per idea: ``schema`` (the run: policy,
 GRPO, task, logger, checkpoints), ``generation`` (the engines, the cluster,
 speculation's companions), ``serving`` (vLLM's OpenAI server on async engines).
 ``checks``, ``speculation`` and ``vllm_kwargs`` check values when a config
-loads (the last one against vLLM's own declarations); ``load`` reads YAML and
-overrides and resolves models, device and dtype.
+loads (the last one against vLLM's own declarations, with no model file);
+``load`` reads YAML and overrides, validates, and resolves device, dtype and,
+as a separate step, the models.
 """
 
 from rl_specdec.config.checks import validate
@@ -19,6 +20,8 @@ from rl_specdec.config.generation import (
 from rl_specdec.config.layers import parse_overrides
 from rl_specdec.config.load import (
     check_cluster_resources,
+    check_engine_args,
+    check_runs_here,
     load_config,
     load_config_as_written,
     resolve_device_and_dtype,
@@ -55,6 +58,8 @@ __all__ = [
     "TaskConfig",
     "WandbConfig",
     "check_cluster_resources",
+    "check_engine_args",
+    "check_runs_here",
     "load_config",
     "load_config_as_written",
     "parse_overrides",

@@ -8,18 +8,29 @@
    ``speculative_config`` is replaced rather than merged (:mod:`rl_specdec.config.layers`);
 3. merges onto the typed schema below, so an unknown key or a wrong type fails
    with the key's full name and the closest valid names;
-4. checks values (ranges, combinations) and the speculative config against
-   vLLM's own declarations (:mod:`rl_specdec.config.vllm_kwargs`);
-5. resolves model names: ``toy:policy`` / ``toy:drafter`` are the embedded toy
-   models (built and cached the first time), a local-looking path must exist;
-   then checks ``vllm_kwargs`` against vLLM and the backend it runs on;
-6. resolves ``device: auto``, ``precision: auto`` and the engines' dtype once,
+4. checks values (ranges, combinations);
+5. resolves ``device: auto``, ``precision: auto`` and the engines' dtype once,
    for the trainer and the engines together, and checks that they go together
    (:func:`resolve_device_and_dtype`; on a cluster whose head has no GPU but
-   whose workers do, set ``policy.device=cuda``).
+   whose workers do, set ``policy.device=cuda``);
+6. validates the engine arguments (:func:`check_engine_args`): vLLM's gate
+   (the hooks fit the installed vLLM), the ``toy:*`` names, and every key of
+   ``vllm_kwargs`` and its ``speculative_config`` against vLLM's own
+   declarations (:mod:`rl_specdec.config.vllm_kwargs`), filling in the RL
+   defaults. This reads no model file and fetches nothing, so it runs the same
+   on any machine, also with ``resolve_models=False``;
+7. with ``resolve_models`` (the default), resolves model names
+   (:func:`resolve_model_paths`): ``toy:policy`` / ``toy:drafter`` become the
+   embedded toy models (built and cached the first time), a local-looking path
+   must be a folder, and a ``draft_model`` drafter's vocabulary is compared with
+   the policy's where both are local folders. Hub ids are left to vLLM.
 
 Everything happens before any Ray actor starts, so a bad config costs seconds.
-:func:`load_config_as_written` runs every check but resolves nothing and builds
+Whether this machine's vLLM backend can run the speculation method (eagle3 on
+the CPU build, suffix without arctic-inference) is not a property of the config:
+:func:`check_runs_here` asks it where a run starts (``grpo.run.setup``), so a
+config prints and validates anywhere.
+:func:`load_config_as_written` runs steps 1-6 but changes nothing and builds
 no model: the config as the user wrote it (``--print-config``).
 ``${...}`` interpolation works as in any OmegaConf file.
 """
@@ -27,7 +38,6 @@ no model: the config as the user wrote it (``--print-config``).
 import copy
 import difflib
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -104,57 +114,75 @@ def _load_unresolved(path: str | os.PathLike | None, overrides: list[str] | None
 def load_config(
     path: str | os.PathLike | None = None, overrides: list[str] | None = None, *, resolve_models: bool = True
 ) -> RunConfig:
-    """Load, merge, type-check, validate and resolve a run config. See module doc."""
+    """Load, merge, type-check and validate a run config; with ``resolve_models``, resolve its models. See module
+    doc."""
     cfg = _load_unresolved(path, overrides)
     resolve_device_and_dtype(cfg.policy)
+    check_engine_args(cfg)
     if resolve_models:
         resolve_model_paths(cfg)
     return cfg
 
 
 def load_config_as_written(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """The config as written (``toy:policy``, ``auto``), after every check of :func:`load_config`; builds nothing."""
+    """The config as written (``toy:policy``, ``auto``), after every check of :func:`load_config` but the model
+    resolution; builds nothing."""
     cfg = _load_unresolved(path, overrides)
     probe = copy.deepcopy(cfg)
     resolve_device_and_dtype(probe.policy)
-    resolve_model_paths(probe, build_toy=False)
+    check_engine_args(probe)
     return cfg
 
 
-# ---- validation -----------------------------------------------------------------
+# ---- validation and resolution --------------------------------------------------------------------------------
+
+DRAFTER_KEY = "policy.generation.vllm_kwargs.speculative_config.model"
+
+
+def _toy_model(name: str, key: str) -> tuple[str, str] | None:
+    """(toy pair, attribute of its folders) for a ``toy:*`` name, None for any other name."""
+    if not name.startswith(TOY_PREFIX):
+        return None
+    which = name[len(TOY_PREFIX) :]
+    if which not in TOY_MODELS:
+        raise ConfigError(f"{key}={name!r}: the embedded models are {', '.join('toy:' + m for m in TOY_MODELS)}")
+    return TOY_MODELS[which]
+
+
+def check_engine_args(cfg: RunConfig) -> None:
+    """vLLM's gate, the ``toy:*`` names, and ``vllm_kwargs`` against vLLM's declarations, its RL defaults filled
+    in. No model file is read and nothing is fetched: a hub id is a name here."""
+    from rl_specdec.config.vllm_kwargs import validate_vllm_kwargs
+    from rl_specdec.vllm_ext import check_vllm
+
+    gen = cfg.policy.generation
+    check_vllm(gen.allow_untested_vllm, gen.vllm_hook_features())  # before anything else reads vLLM
+    _toy_model(cfg.policy.model_name, "policy.model_name")
+    gen.vllm_kwargs = validate_vllm_kwargs(gen.vllm_kwargs, None, training=True)
+    spec = gen.vllm_kwargs.get("speculative_config")
+    if spec and spec.get("model"):
+        _toy_model(spec["model"], DRAFTER_KEY)
 
 
 def _resolve_one(name: str, key: str, toy_paths) -> str:
-    if name.startswith(TOY_PREFIX):
-        which = name[len(TOY_PREFIX) :]
-        if which not in TOY_MODELS:
-            raise ConfigError(f"{key}={name!r}: the embedded models are {', '.join('toy:' + m for m in TOY_MODELS)}")
-        pair, attr = TOY_MODELS[which]
-        paths = toy_paths(pair)
-        return name if paths is None else str(getattr(paths, attr))
+    toy = _toy_model(name, key)
+    if toy is not None:
+        pair, attr = toy
+        return str(getattr(toy_paths(pair), attr))
     looks_local = name.startswith(("/", "./", "../", "~")) or os.path.exists(name)
     if looks_local and not Path(os.path.expanduser(name)).is_dir():
         raise ConfigError(f"{key}={name!r} is not a directory; give a local Hugging Face model folder or a hub id")
     return os.path.expanduser(name) if looks_local else name
 
 
-def resolve_model_paths(cfg: RunConfig, build_toy: bool = True) -> None:
-    """Replace toy:* names with built folders and check local paths; then validate vllm_kwargs.
-
-    ``build_toy=False`` leaves toy:* names as they are (nothing is built) and skips the vocabulary comparison.
-    """
-    from rl_specdec.config.vllm_kwargs import check_backend_runs, validate_vllm_kwargs
-    from rl_specdec.vllm_ext import check_vllm
-    from rl_specdec.vllm_ext.platform import is_cpu
-
-    gen = cfg.policy.generation
-    check_vllm(gen.allow_untested_vllm, gen.vllm_hook_features())  # before anything else reads vLLM
+def resolve_model_paths(cfg: RunConfig) -> None:
+    """Replace toy:* names with their built folders and check local paths; then compare the drafter's vocabulary
+    with the policy's where both are local folders. A hub id stays a name: nothing is fetched."""
+    from rl_specdec.config.vllm_kwargs import check_drafter_vocabulary
 
     cache: dict[str, Any] = {}
 
     def toy_paths(pair: str):
-        if not build_toy:
-            return None
         if pair not in cache:
             from rl_specdec.toy.build import build_toy_models
             from rl_specdec.toy.longtail import build_longtail_models
@@ -165,16 +193,21 @@ def resolve_model_paths(cfg: RunConfig, build_toy: bool = True) -> None:
         return cache[pair]
 
     cfg.policy.model_name = _resolve_one(cfg.policy.model_name, "policy.model_name", toy_paths)
-    kw = cfg.policy.generation.vllm_kwargs
-    spec = kw.get("speculative_config")
+    spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
     if spec and spec.get("model"):
-        spec["model"] = _resolve_one(spec["model"], "policy.generation.vllm_kwargs.speculative_config.model", toy_paths)
-    check_backend_runs(kw.get("speculative_config"), on_cpu=cfg.policy.device == "cpu" and is_cpu())
-    with warnings.catch_warnings():
-        if not build_toy:  # toy:* names are not folders yet: nothing to compare vocabularies with
-            warnings.simplefilter("ignore")
-        kw = validate_vllm_kwargs(kw, cfg.policy.model_name, training=True)
-    cfg.policy.generation.vllm_kwargs = kw
+        spec["model"] = _resolve_one(spec["model"], DRAFTER_KEY, toy_paths)
+    check_drafter_vocabulary(spec, cfg.policy.model_name)
+
+
+def check_runs_here(cfg: RunConfig) -> None:
+    """Refuse a speculation method this machine's vLLM backend cannot run (on vLLM's CPU build: draft_model, ngram
+    and suffix only; suffix needs arctic-inference). The run's start asks it, not loading: a config for GPUs still
+    prints and validates on a CPU machine."""
+    from rl_specdec.config.vllm_kwargs import check_backend_runs
+    from rl_specdec.vllm_ext.platform import is_cpu
+
+    spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
+    check_backend_runs(spec, on_cpu=cfg.policy.device == "cpu" and is_cpu())
 
 
 def resolve_device_and_dtype(p: PolicyConfig, cuda_available: bool | None = None, cpu_bf16: bool | None = None) -> None:

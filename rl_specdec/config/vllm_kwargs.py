@@ -55,12 +55,17 @@ def _local_vocab_size(path: str) -> int | None:
 
 def validate_vllm_kwargs(
     vllm_kwargs: dict[str, Any] | None,
-    policy_model: str,
+    policy_model: str | None,
     *,
     key: str = "policy.generation.vllm_kwargs",
     training: bool = True,
 ) -> dict[str, Any]:
-    """Check ``vllm_kwargs`` and return the dict to pass to ``vllm.LLM``."""
+    """Check ``vllm_kwargs`` and return the dict to pass to ``vllm.LLM``.
+
+    ``policy_model`` (the policy's folder or hub id) is what a ``draft_model`` drafter's vocabulary is compared
+    with; ``None`` checks everything else, before the models are resolved: no model file is read, nothing is
+    fetched.
+    """
     # null means "vLLM's default" (and speculative_config: null means no speculation)
     kw = {k: v for k, v in (vllm_kwargs or {}).items() if v is not None}
     known = declarations.engine_arg_names()
@@ -137,15 +142,22 @@ def _check_method(spec: dict[str, Any], key: str) -> str:
     return method
 
 
-def _check_drafter(spec: dict[str, Any], method: str, policy_model: str, key: str) -> None:
-    """A drafter model where the method needs one (none where it uses none), with the policy's vocabulary."""
+def _check_drafter(spec: dict[str, Any], method: str, key: str) -> None:
+    """A drafter model where the method needs one, none where it uses none."""
     if method in DRAFTER_METHODS and not spec.get("model"):
         raise ConfigError(
             f"{key}.model is missing: method {method!r} needs a drafter; set {key}.model to its path or hub id."
         )
     if method in MODEL_FREE_METHODS and spec.get("model"):
         raise ConfigError(f"{key}.model is set but method {method!r} uses no drafter model; remove {key}.model.")
-    if method != "draft_model" or spec.get("use_heterogeneous_vocab", False):
+
+
+def check_drafter_vocabulary(
+    spec: dict[str, Any] | None, policy_model: str, *, key: str = "policy.generation.vllm_kwargs.speculative_config"
+) -> None:
+    """A ``draft_model`` drafter has the policy's vocabulary: compared where both are local folders (their
+    ``config.json``); a hub id is left to vLLM, which compares them when the engine starts."""
+    if not spec or spec.get("method") != "draft_model" or spec.get("use_heterogeneous_vocab", False):
         return
     drafter_vocab, policy_vocab = _local_vocab_size(spec["model"]), _local_vocab_size(policy_model)
     if drafter_vocab is not None and policy_vocab is not None and drafter_vocab != policy_vocab:
@@ -158,19 +170,21 @@ def _check_drafter(spec: dict[str, Any], method: str, policy_model: str, key: st
         warnings.warn(
             f"{key}: the drafter/policy vocabularies were not compared (not local folders); "
             "vLLM checks them when the engine starts.",
-            stacklevel=3,
+            stacklevel=2,
         )
 
 
 def validate_speculative_config(
     spec: dict[str, Any],
-    policy_model: str,
+    policy_model: str | None,
     *,
     key: str = "speculative_config",
     training: bool = True,
     policy_load_format: str = "auto",
     async_scheduling: bool | None = None,
 ) -> dict[str, Any]:
+    """Check a speculative config against vLLM's declarations; return it with the RL defaults filled in.
+    ``policy_model``: as in :func:`validate_vllm_kwargs`."""
     spec = {k: v for k, v in spec.items() if v is not None}  # a key set to null is unset (model=null after ngram)
     method = _check_method(spec, key)
     k_tokens = spec.get("num_speculative_tokens")
@@ -185,7 +199,9 @@ def validate_speculative_config(
     if schedule is not None:
         schedule, k_tokens = _check_schedule(schedule, k_tokens, key)
     needs_model = method in DRAFTER_METHODS
-    _check_drafter(spec, method, policy_model, key)
+    _check_drafter(spec, method, key)
+    if policy_model is not None:
+        check_drafter_vocabulary(spec, policy_model, key=key)
 
     rsm = spec.get("rejection_sample_method", "standard")
     if rsm == "synthetic" and training:

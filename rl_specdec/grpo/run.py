@@ -1,6 +1,7 @@
 """A GRPO run's parts and their life: start them, restore a checkpoint, record what runs, stop them.
 
-:func:`setup` builds a :class:`GRPORun`: the metrics logger (first, so a bad
+:func:`setup` builds a :class:`GRPORun`: after a check that this machine's vLLM
+can run the speculation method, the metrics logger (first, so a bad
 wandb setting fails in seconds), the tokenizer and the task (one prompt
 encoded, so a chat task with a template-less tokenizer fails before any actor
 starts), Ray, the engine group, the policy group and
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rl_specdec.config import RunConfig, check_cluster_resources, to_dict
+from rl_specdec.config import RunConfig, check_cluster_resources, check_runs_here, to_dict
 from rl_specdec.drafter.upkeep import DrafterUpkeep
 from rl_specdec.errors import GenerationEngineDied, PolicyWorkerDied
 from rl_specdec.grpo.checkpoint import CheckpointManager
@@ -62,6 +63,7 @@ class GRPORun:
 
 def setup(cfg: RunConfig) -> GRPORun:
     """Start the logger, Ray, the engines and the policy; sync weights; restore a checkpoint if resuming."""
+    check_runs_here(cfg)  # a method this machine's vLLM cannot run (eagle3 on the CPU build): before anything starts
     ckpt_dir = cfg.checkpoint.dir or str(Path(cfg.logger.log_dir) / "checkpoints")
     checkpoints = CheckpointManager(ckpt_dir, cfg.checkpoint.keep) if cfg.checkpoint.enabled else None
     latest = checkpoints.latest() if (checkpoints and cfg.resume) else None
