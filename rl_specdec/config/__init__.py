@@ -13,6 +13,7 @@ from rl_specdec.config.generation import (
     CanaryConfig,
     ClusterConfig,
     DrafterTrainingConfig,
+    EngineRestartConfig,
     GenerationConfig,
     SpeculationControlConfig,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "ClusterConfig",
     "ConfigError",
     "DrafterTrainingConfig",
+    "EngineRestartConfig",
     "GRPOConfig",
     "GenerationConfig",
     "LoggerConfig",
