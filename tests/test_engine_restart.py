@@ -96,8 +96,16 @@ class KillMidGeneration:
         monkeypatch.setattr(VllmGeneration, "submit", submit)
 
 
-def _gone(pids):
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+def _gone(pids, wait_s: float = 15.0):
+    """The processes among ``pids`` still alive ``wait_s`` after the run (a killed actor exits asynchronously)."""
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=wait_s)
+    return [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_a_killed_engine_is_replaced_and_the_run_ends_as_an_uninterrupted_one(plain, tmp_path, monkeypatch):
