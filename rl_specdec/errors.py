@@ -17,7 +17,11 @@ class VllmIncompatible(ConfigError):
 
 
 class GenerationEngineDied(RuntimeError):
-    """A vLLM engine actor died; the run cannot continue with this group."""
+    """A vLLM engine actor died, and was not (or could not be) replaced; ``engines``: their indices, if known."""
+
+    def __init__(self, message: str, engines: list[int] | tuple[int, ...] = ()):
+        super().__init__(message)
+        self.engines = list(engines)
 
 
 class PolicyWorkerDied(RuntimeError):

@@ -14,6 +14,7 @@ from rl_specdec.config.generation import (
     CanaryConfig,
     ClusterConfig,
     DrafterTrainingConfig,
+    EngineRestartConfig,
     GenerationConfig,
     SpeculationControlConfig,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "ClusterConfig",
     "ConfigError",
     "DrafterTrainingConfig",
+    "EngineRestartConfig",
     "GRPOConfig",
     "GenerationConfig",
     "LoggerConfig",

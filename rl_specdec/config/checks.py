@@ -52,6 +52,8 @@ def validate(cfg: RunConfig) -> None:
     positive("policy.generation.num_engines", gen.num_engines)
     positive("policy.generation.cpus_per_engine", gen.cpus_per_engine)
     positive("policy.generation.max_new_tokens", gen.max_new_tokens)
+    positive("policy.generation.engine_restart.max_restarts", gen.engine_restart.max_restarts, allow_zero=True)
+    positive("policy.generation.engine_restart.max_per_hour", gen.engine_restart.max_per_hour, allow_zero=True)
     if gen.temperature < 0:
         raise ConfigError(f"policy.generation.temperature={gen.temperature} must be >= 0")
     if gen.temperature == 0:

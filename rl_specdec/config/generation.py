@@ -65,6 +65,19 @@ class SpeculationControlConfig:
 
 
 @dataclass
+class EngineRestartConfig:
+    """An engine whose process dies is replaced and the run goes on (rl_specdec.grpo.recovery).
+
+    The last finished step is checkpointed first either way; a new engine takes the dead one's bundle, gets
+    the trainer's weights (and the drafter's), verified, and generates the dead engine's share again.
+    """
+
+    enabled: bool = True  # false: an engine's death stops the run (after that checkpoint)
+    max_restarts: int = 3  # replacements per run; one more death stops it
+    max_per_hour: int = 3  # replacements within any hour; a host that keeps killing engines stops the run
+
+
+@dataclass
 class GenerationConfig:
     """One data-parallel group of vLLM engines."""
 
@@ -89,6 +102,7 @@ class GenerationConfig:
     drafter_training: DrafterTrainingConfig = field(default_factory=DrafterTrainingConfig)
     acceptance_canary: CanaryConfig = field(default_factory=CanaryConfig)
     speculation_control: SpeculationControlConfig = field(default_factory=SpeculationControlConfig)
+    engine_restart: EngineRestartConfig = field(default_factory=EngineRestartConfig)
     # Passed to vllm.LLM(...) as-is (speculative_config included), after validation.
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 

@@ -27,6 +27,7 @@ from typing import Any
 from rl_specdec.config import RunConfig
 from rl_specdec.errors import CheckpointWriteFailed
 from rl_specdec.grpo.pipeline import PipelinedSteps, sequential_resume_note
+from rl_specdec.grpo.recovery import EngineRecovery
 from rl_specdec.grpo.run import GRPORun, setup
 from rl_specdec.grpo.step import due, evaluate, grpo_step, sampling_check
 from rl_specdec.grpo.stop import StopSignals
@@ -83,6 +84,8 @@ def train(cfg: RunConfig, progress: bool | None = None, resume_command: str | No
         record_ray_processes()
         try:
             run.pipeline = PipelinedSteps(run) if cfg.grpo.max_staleness else None
+            run.finished = run.start_step
+            run.recovery = run.generation.on_engine_death = EngineRecovery(run, last_checkpoint)
             if run.pipeline is None:
                 sequential_resume_note(run)
             last, finished = run_steps(run, show)
@@ -147,7 +150,9 @@ def step_and_log(run: GRPORun, step: int) -> dict[str, Any]:
     row["timing/step"] = time.perf_counter() - t0
     if run.pipeline is not None:
         row.update(run.pipeline.overlap(t0, t0 + row["timing/step"]))
+    row.update(run.recovery.metrics())
     run.metrics.log(row, step=step + 1)
+    run.finished, run.last_row, run.step_in_progress = step + 1, row, False
     return row
 
 

@@ -48,6 +48,10 @@ class GRPORun:
     start_step: int = 0
     stop: StopSignals = field(default_factory=StopSignals)  # SIGTERM/SIGINT: what the loop and the step check
     pipeline: Any = None  # with grpo.max_staleness=1: the PipelinedSteps (grpo/pipeline.py) that run the steps
+    recovery: Any = None  # the EngineRecovery (grpo/recovery.py) the engine group calls when an engine dies
+    finished: int = 0  # steps finished and logged
+    last_row: dict[str, Any] = field(default_factory=dict)  # the last finished step's metrics
+    step_in_progress: bool = False  # the trainer's state has moved past the last finished step's
 
     def shutdown(self) -> None:
         """Stop the engines, the policy workers and the drafter, in that order, and close the logger."""

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_specdec.errors import GenerationEngineDied
 from rl_specdec.grpo.advantages import group_advantages
 from rl_specdec.grpo.batch import Trajectory, build_train_batch, select_for_training
 from rl_specdec.grpo.run import GRPORun
@@ -124,6 +125,7 @@ def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
     # 2. rollouts; the call's spec-decode counters come with them. A stop asked for meanwhile drops the step
     with timer("generation"), run.stop.abandonable():
         out = run.generation.generate(prompt_ids, sampling)
+    run.step_in_progress = True  # from here on the trainer (and drafter) move past the last finished step
     spec = after_rollouts(run, step, prompt_ids, out)  # may start the drafter's step beside the policy's update
 
     learned = learn(run, group_samples, prompt_ids, out)  # 3-5. rewards, advantages, policy update
@@ -186,7 +188,12 @@ def learn(run: GRPORun, group_samples: list[Sample], prompt_ids: list[list[int]]
 def refit(run: GRPORun) -> None:
     """Phase 6: the trainer's weights into every engine's target model, streamed in buckets (verified)."""
     with run.timer("refit"):
-        run.generation.update_weights_buckets(run.policy.state_dict_buckets())
+        try:
+            run.generation.update_weights_buckets(run.policy.state_dict_buckets())
+        except GenerationEngineDied as e:  # replaced engines are refit with these weights, every other one too
+            if run.recovery is None:
+                raise
+            run.recovery.after_refit_failed(e)
 
 
 def validate_if_due(run: GRPORun, step: int) -> dict[str, float]:

@@ -123,7 +123,7 @@ class StopSignals:
         if finished is None:
             line = f"{what} while the run was starting: nothing new to save; run the same command again"
         elif checkpoint is not None:
-            line = f"{what} after step {finished}: checkpoint {checkpoint}; {self._resume()}"
+            line = f"{what} after step {finished}: checkpoint {checkpoint}; {self.resume_hint()}"
         elif finished == 0:
             line = f"{what} before the first step finished: nothing to resume; run the same command again"
         elif self.checkpoints is None:
@@ -132,7 +132,8 @@ class StopSignals:
             line = f"{what} after step {finished}, whose checkpoint could not be written; {self._newest()}"
         return RunStopped(line, self.signum)
 
-    def _resume(self) -> str:
+    def resume_hint(self) -> str:
+        """How to resume: the command line when the caller gave one."""
         return f"resume with: {self.resume_command}" if self.resume_command else "resume with resume=true"
 
     def _newest(self) -> str:
@@ -144,4 +145,4 @@ class StopSignals:
             latest = None
         if latest is None:
             return "there is no checkpoint to resume from"
-        return f"the newest checkpoint is {latest[0]} (step {latest[1]['step']}); {self._resume()}"
+        return f"the newest checkpoint is {latest[0]} (step {latest[1]['step']}); {self.resume_hint()}"

@@ -23,23 +23,15 @@ import time
 from typing import Any, Iterable, Iterator, Sequence
 
 import ray
-from ray.exceptions import RayActorError
-from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_specdec.config.generation import ClusterConfig, GenerationConfig
 from rl_specdec.config.serving import ServerConfig, check_reasoning_parser
-from rl_specdec.errors import GenerationEngineDied, SamplingSelfCheckFailed
-from rl_specdec.rollout import engine_settings, weights
+from rl_specdec.errors import SamplingSelfCheckFailed
+from rl_specdec.rollout import weights
+from rl_specdec.rollout.engines import EngineSlots
 from rl_specdec.rollout.interfaces import GenerationOutput, SamplingSettings
 from rl_specdec.rollout.pending import PendingGeneration
-from rl_specdec.rollout.placement import (
-    assign_cpu_binds,
-    cluster_has_gpus,
-    init_ray,
-    reserve_engine_bundles,
-    shard_sizes,
-)
 from rl_specdec.rollout.sampling_guard import CalibrationReport, calibration_report
 from rl_specdec.rollout.serving.async_worker import AsyncVllmWorker, per_prompt
 from rl_specdec.rollout.worker import VllmWorker
@@ -59,86 +51,15 @@ class _Checksummer:
         return weights.checksum(state_dict)
 
 
-class VllmGeneration:
+class VllmGeneration(EngineSlots):
     """The rollout engine: N vLLM engines, one per Ray actor (a :class:`RolloutEngine`)."""
 
     worker_cls: type = VllmWorker
     actor_options: dict[str, Any] = {}
 
     def __init__(self, model: str, config: GenerationConfig, cluster: ClusterConfig | None = None, seed: int = 0):
-        self._start(model, config, cluster or ClusterConfig(), seed, {})
-
-    def _start(
-        self, model: str, config: GenerationConfig, cluster: ClusterConfig, seed: int, start_kwargs: dict[str, Any]
-    ) -> None:
-        self.config, self.model, self.workers, self.pg, self._checksummer = config, model, [], None, None
-        self._restart_args = (cluster, seed, start_kwargs)
-        init_ray(cluster)
-        on_gpu = cluster_has_gpus()
-        t0 = time.time()
-        try:
-            self.pg = reserve_engine_bundles(config, cluster, on_gpu)
-            actor = ray.remote(self.worker_cls)
-            self.workers = [
-                actor.options(
-                    num_cpus=0 if on_gpu else config.cpus_per_engine,
-                    # the bundle's GPUs, so Ray sets CUDA_VISIBLE_DEVICES for this engine (and its TP processes)
-                    num_gpus=int(config.vllm_kwargs.get("tensor_parallel_size", 1)) if on_gpu else 0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self.pg, placement_group_bundle_index=i
-                    ),
-                    runtime_env={"env_vars": {k: str(v) for k, v in config.env_vars.items()}},  # at process start
-                    **self.actor_options,
-                ).remote()
-                for i in range(config.num_engines)
-            ]
-            self.placements = self._get([w.placement.remote() for w in self.workers])
-            binds = [None] * config.num_engines if on_gpu else assign_cpu_binds(self.placements, config.cpus_per_engine)
-            self.engine_info = self._get(
-                [w.start_engine.remote(model, config, seed, b, **start_kwargs) for w, b in zip(self.workers, binds)]
-            )
-            # what the engines really run; a setting vLLM did not honour is a warning (or, strict, an error)
-            self.settings = engine_settings.check(
-                config.vllm_kwargs,
-                [i["settings"] for i in self.engine_info],
-                config.strict_engine_settings,
-                logger.warning,
-            )
-        except BaseException:  # a failed start must not leave actors or reserved CPUs/GPUs behind
-            self.shutdown()
-            raise
-        for i, (p, info) in enumerate(zip(self.placements, self.engine_info)):
-            logger.info(
-                "engine %d on %s (node %s) cores=%s started in %.1fs",
-                i,
-                p["host"],
-                p["node_id"][:8],
-                info["cpu_bind"],
-                info["start_s"],
-            )
-        self.start_s = time.time() - t0
-
-    def _get(self, refs):
-        try:
-            return ray.get(refs)
-        except RayActorError as e:
-            raise GenerationEngineDied(
-                f"a vLLM engine actor died ({e.__class__.__name__}): {e}. "
-                "Check the actor's log above (out of memory? killed?) and restart the run; "
-                "resume=true continues from the last checkpoint."
-            ) from e
-
-    @property
-    def num_engines(self) -> int:
-        return len(self.workers)
-
-    def _shards(self, n: int) -> Iterator[tuple[Any, slice]]:
-        """(worker, slice of the batch) for every engine that gets work."""
-        start = 0
-        for w, size in zip(self.workers, shard_sizes(n, self.num_engines)):
-            if size:
-                yield w, slice(start, start + size)
-            start += size
+        self._hold(model, config, cluster or ClusterConfig(), seed, {})
+        self._start()
 
     # ---- RolloutEngine ----------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> GenerationOutput:
@@ -146,10 +67,13 @@ class VllmGeneration:
 
     def submit(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings) -> PendingGeneration:
         """Start :meth:`generate` on every engine and return at once; ``.result()`` collects its output."""
-        refs = [
-            w.generate.remote(prompt_token_ids[s], sampling, s.start) for w, s in self._shards(len(prompt_token_ids))
-        ]
-        return PendingGeneration(refs, sampling.logprobs > 0, self._get)
+        shards = self._shards(len(prompt_token_ids))
+
+        def shard(i: int) -> ray.ObjectRef:  # engine i's share; request j is seeded seed + j, wherever it runs
+            return self.workers[i].generate.remote(prompt_token_ids[shards[i]], sampling, shards[i].start)
+
+        refs = [shard(i) for i in range(len(shards))]
+        return PendingGeneration(refs, sampling.logprobs > 0, lambda r: self._gather(r, shard))
 
     def check_sampling(
         self,
@@ -251,6 +175,7 @@ class VllmGeneration:
                 "(speculation_control.mode=off runs vLLM's k as configured)"
             )
         self._get([w.set_speculation.remote(int(k_max)) for w in self.workers])
+        self.k_max = int(k_max)
 
     def check_spec_control(self) -> None:
         """Run every engine's start-up self-check of the k=0 fast path again; raises ConfigError where it fails."""
@@ -264,17 +189,15 @@ class VllmGeneration:
     def disable_speculation(self) -> None:
         """Speculation off for good. With run-time k (``speculation_control`` on): k=0 in
         every engine, which runs vLLM's plain path through the k=0 fast path, with no
-        restart. Otherwise every engine restarts without ``speculative_config``: vLLM's
-        own non-speculative path. The new engines load the model path's weights (or
-        dummy ones): refit them before the next rollout.
+        restart. Otherwise every engine restarts without ``speculative_config``
+        (:meth:`restart`): vLLM's own non-speculative path. The new engines load the model
+        path's weights (or dummy ones): refit them before the next rollout.
         """
         if self.control_on:  # run-time k: k=0 through the fast path, no restart
             self.set_speculation(0)
             return
         vllm_kwargs = {k: v for k, v in self.config.vllm_kwargs.items() if k != "speculative_config"}
-        config = dataclasses.replace(self.config, vllm_kwargs=vllm_kwargs)
-        self.shutdown()
-        self._start(self.model, config, *self._restart_args)
+        self.restart(dataclasses.replace(self.config, vllm_kwargs=vllm_kwargs))
 
     def engine_counters(self) -> list[dict[str, Any]]:
         """Each engine's cumulative spec-decode counters (all its traffic); for tools and tests.
@@ -288,31 +211,6 @@ class VllmGeneration:
 
     def wake_up(self) -> None:
         self._get([w.wake_up.remote() for w in self.workers])
-
-    def shutdown(self, wait_s: float = 30.0) -> None:
-        """Stop every engine and actor and release the placement group.
-
-        The engines stop together, within ``wait_s`` (an engine still busy with a call that a stop abandoned
-        finishes it first); one that does not is killed with its actor all the same.
-        """
-        refs = [w.shutdown.remote() for w in self.workers]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s) if refs else ([], [])
-        for i, (w, ref) in enumerate(zip(self.workers, refs)):
-            if ref not in done:
-                logger.info("engine %d did not shut down within %gs; killing its actor", i, wait_s)
-            else:
-                try:
-                    ray.get(ref)
-                except RayActorError as e:  # dead already: killed below either way
-                    logger.info("engine %d was gone at shutdown (%s); killing its actor", i, type(e).__name__)
-            ray.kill(w, no_restart=True)
-        if self._checksummer is not None:
-            ray.kill(self._checksummer, no_restart=True)
-            self._checksummer = None
-        self.workers = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
 
 
 class AsyncVllmGeneration(VllmGeneration):
@@ -335,7 +233,8 @@ class AsyncVllmGeneration(VllmGeneration):
         if server is not None:  # load-time errors, before any actor starts
             server.check()
             check_reasoning_parser(server, config.vllm_kwargs.get("reasoning_parser"))
-        self._start(model, config, cluster or ClusterConfig(), seed, {"server": server})
+        self._hold(model, config, cluster or ClusterConfig(), seed, {"server": server})
+        self._start()
 
     def base_urls(self) -> list[str | None]:
         """Each engine's OpenAI base URL (``http://127.0.0.1:PORT/v1``), None where it has no server."""
@@ -359,7 +258,7 @@ class AsyncVllmGeneration(VllmGeneration):
             w.generate_async.options(num_returns="streaming").remote(
                 prompt_token_ids[s], settings[s], s.start, extras[s]
             )
-            for w, s in self._shards(n)
+            for w, s in zip(self.workers, self._shards(n))
         ]
         try:
             while pending:
