@@ -150,7 +150,8 @@ def step_and_log(run: GRPORun, step: int) -> dict[str, Any]:
     row["timing/step"] = time.perf_counter() - t0
     if run.pipeline is not None:
         row.update(run.pipeline.overlap(t0, t0 + row["timing/step"]))
-    row.update(run.recovery.metrics())
+    if run.recovery is not None:  # train() sets it; a loop driven by hand may not
+        row.update(run.recovery.metrics())
     run.metrics.log(row, step=step + 1)
     run.finished, run.last_row, run.step_in_progress = step + 1, row, False
     return row
