@@ -171,7 +171,7 @@ def test_controller_reaches_the_top_bound_where_drafting_is_free():
     seen = [j for j, (lo, _) in enumerate(pol.ctl.ranges) if 2 <= lo < 64]
     assert all(ks[j] == 4 for j in seen), ks
     for j in seen:
-        rates = pol.ctl.predicted_rates(j)
+        rates = pol.ctl.ratings_for(j)
         assert rates[4] / rates[0] == pytest.approx(top, rel=0.1), (j, rates)
     assert speedup > 0.85 * top, speedup  # the phase, warm-up and exploration included
 
