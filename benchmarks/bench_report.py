@@ -19,13 +19,13 @@ from rollout_report import fmt
 
 # ---- tables -----------------------------------------------------------------------
 def grpo_table(stats: dict[str, dict]) -> str:
-    def ratio(s, k):
+    def ratio(s, k):  # a speed-up over the variant's base: above 1 is faster
         base = stats.get(baseline_of(s["name"]), stats.get("grpo_base", {}))
-        return fmt(s[k] / base[k] if base.get(k) else None, "{:.2f}x")
+        return fmt(base[k] / s[k] if base.get(k) and s.get(k) else None, "{:.2f}x")
 
     lines = [
-        "| variant | speculation | step (s, median) | per seed | vs base | step, train pooled (s) | vs base | "
-        "generation (s) | per seed | generation vs base | train (s) | per seed | train vs base (not speculation's: "
+        "| variant | speculation | step (s, median) | per seed | speed-up | step, train pooled (s) | speed-up | "
+        "generation (s) | per seed | generation speed-up | train (s) | per seed | train speed-up (not speculation's: "
         "the machine's drift and the sampled work) | samples trained | refit (s) | validation (s) | gen tokens/s | "
         "acceptance length | reward first→last 10% |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -118,8 +118,8 @@ def verdict_text(stats: dict[str, dict]) -> str:
     def base_name(n: str) -> str:
         return baseline_of(n) if baseline_of(n) in stats else "grpo_base"
 
-    def ratio(n: str, k: str = "step_s") -> str:
-        return f"{stats[n][k] / stats[base_name(n)][k]:.2f}x {base_name(n)}"
+    def ratio(n: str, k: str = "step_s") -> str:  # a speed-up: above 1 is faster
+        return f"{stats[base_name(n)][k] / stats[n][k]:.2f}x faster than {base_name(n)}"
 
     spec = {
         n: s

@@ -128,19 +128,19 @@ def cost_text(stats: dict[str, dict]) -> str:
             "(or 'grpo_spec drafter light') for the cost._"
         )
     lines = [
-        "| variant | step (s, median) | vs frozen | train pooled (s) | vs frozen | train phase (s) | drafter train "
-        "(s, its actor) | generation (s) | acceptance length | vs grpo_base |",
+        "| variant | step (s, median) | speed-up vs frozen | train pooled (s) | speed-up vs frozen | train phase (s) | "
+        "drafter train (s, its actor) | generation (s) | acceptance length | speed-up vs grpo_base |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n in ["grpo_spec", *variants]:
         s = stats[n]
         lines.append(
-            f"| {n}{' (frozen)' if n == 'grpo_spec' else ''} | {s['step_s']:.2f} | {s['step_s'] / fr['step_s']:.3f}x "
+            f"| {n}{' (frozen)' if n == 'grpo_spec' else ''} | {s['step_s']:.2f} | {fr['step_s'] / s['step_s']:.3f}x "
             f"| {s['step_pooled_s']:.2f} | "
-            f"{s['step_pooled_s'] / fr['step_pooled_s']:.3f}x | {s['train_s']:.2f} | "
+            f"{fr['step_pooled_s'] / s['step_pooled_s']:.3f}x | {s['train_s']:.2f} | "
             f"{fmt(s.get('drafter_train_s'), '{:.2f}')} | {s['generation_s']:.2f} | "
             f"{fmt(s['acceptance_length'], '{:.2f}')} | "
-            f"{fmt(s['step_s'] / base['step_s'] if base else None, '{:.3f}x')} |"
+            f"{fmt(base['step_s'] / s['step_s'] if base else None, '{:.3f}x')} |"
         )
     return "\n".join(lines)
 

@@ -147,14 +147,15 @@ def main(argv=None) -> None:
 def summary(rows: list[dict], names: list[str]) -> str:
     """Per variant: wall time against the first variant; for the run-time-k engines, the steps' time, the cost
     table's price of the same steps, and tokens per request and step in the tail and in the bulk."""
-    head = ["variant", "calls", "wall s", "vs " + names[0], "steps", "in steps s", "priced s", "priced / measured"]
+    head = ["variant", "calls", "wall s", f"speed-up vs {names[0]}", "steps", "in steps s", "priced s"]
+    head.append("priced / measured")
     lines = ["| " + " | ".join(head + [f"tokens/request-step, <= {TAIL} running", "with more running"]) + " |"]
     lines.append("|" + "---|" * (len(head) + 2))
     base = sum(r["wall_s"] for r in rows if r["variant"] == names[0])
     for n in names:
         rs = [r for r in rows if r["variant"] == n]
         wall = sum(r["wall_s"] for r in rs)
-        cells = [n, str(len(rs)), f"{wall:.2f}", f"{wall / base:.2f}x"] + [""] * 6
+        cells = [n, str(len(rs)), f"{wall:.2f}", f"{base / wall:.2f}x"] + [""] * 6
         if "steps" in rs[0]:
             priced, dec = sum(r["priced_s"] for r in rs), sum(r["decode_s"] for r in rs)
             cells[4:7] = [str(sum(r["steps"] for r in rs)), f"{sum(r['steps_s'] for r in rs):.2f}", f"{priced:.2f}"]

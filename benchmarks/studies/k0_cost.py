@@ -191,16 +191,17 @@ def table(per_seed: dict[int, dict[str, list[float]]]) -> str:
     names = list(next(iter(per_seed.values())))
     ref = "no speculation"
     lines = [
-        "| engine | time per call (s, median) | per seed | vs no speculation | paired ratio (median of rounds) |",
+        "| engine | time per call (s, median) | per seed | speed-up vs no speculation | "
+        "paired speed-up (median of rounds) |",
         "|---|---|---|---|---|",
     ]
     for n in names:
         med = {sd: statistics.median(t[n]) for sd, t in per_seed.items()}
         pooled = statistics.median([x for t in per_seed.values() for x in t[n]])
         ref_pooled = statistics.median([x for t in per_seed.values() for x in t[ref]])
-        paired = statistics.median([a / b for t in per_seed.values() for a, b in zip(t[n], t[ref])])
+        paired = statistics.median([b / a for t in per_seed.values() for a, b in zip(t[n], t[ref])])
         seeds = ", ".join(f"{v:.3f}" for v in med.values())
-        lines.append(f"| {n} | {pooled:.3f} | {seeds} | {pooled / ref_pooled:.3f}x | {paired:.3f}x |")
+        lines.append(f"| {n} | {pooled:.3f} | {seeds} | {ref_pooled / pooled:.3f}x | {paired:.3f}x |")
     return "\n".join(lines)
 
 

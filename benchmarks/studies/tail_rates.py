@@ -8,7 +8,7 @@ engine order rotating each round. Every engine step is recorded (benchmarks/step
 * ``threshold 32 (the default)``: k=3 below 32 running requests, the fast path above (``draft_below: 32``);
 * ``the controller``: ``draft_below: null`` (k per batch-size bucket, measured while the engine runs).
 
-It prints the calls' times (median of the per-round ratios to ``k=0 everywhere``, and the ratio of the
+It prints the calls' speed-ups over ``k=0 everywhere`` (the median of the rounds', and that of the
 sums per seed), the time spent in steps below 32 running requests, and per bucket the kept tokens per
 second over the steps that continue a call (a call's first step admits every prompt), with the step
 count, and the k each engine drafted there. The records go to ``--out``::
@@ -78,12 +78,12 @@ def report(rows: list[dict]) -> str:
     walls = {(x["engine"], x["seed"], x["round"]): x["wall"] for x in timed}
     keys = sorted({(x["seed"], x["round"]) for x in timed})
     seeds = sorted({s for s, _ in keys})
-    lines = ["| engine | paired ratio (median of rounds) | per seed (ratio of sums) | seconds in steps below 32 |"]
+    lines = ["| engine | paired speed-up (median of rounds) | per seed (of sums) | seconds in steps below 32 |"]
     lines.append("|---|---|---|---|")
     for n in names:
-        paired = statistics.median(walls[(n, *k)] / walls[(ref, *k)] for k in keys)
+        paired = statistics.median(walls[(ref, *k)] / walls[(n, *k)] for k in keys)
         per = [
-            sum(walls[(n, s, r)] for s2, r in keys if s2 == s) / sum(walls[(ref, s, r)] for s2, r in keys if s2 == s)
+            sum(walls[(ref, s, r)] for s2, r in keys if s2 == s) / sum(walls[(n, s, r)] for s2, r in keys if s2 == s)
             for s in seeds
         ]
         tail = sum(r["period_s"] or 0.0 for x in timed if x["engine"] == n for r in x["records"] if 0 < r["b"] < TAIL)
