@@ -62,7 +62,7 @@ def token_contexts(steps: list[dict], lengths: list[int]) -> list[list[dict]]:
     last_catch: dict[str, int] = {}
     for si, s in enumerate(steps):
         hist = [p["k_next"] for p in steps[max(0, si - HISTORY) : si + 1]]
-        for rid, (start, _n, drafts, emitted, caught) in s["reqs"].items():
+        for rid, (start, scheduled, drafts, emitted, caught) in s["reqs"].items():
             i = index[rid]
             for j in range(emitted):
                 if len(out[i]) >= lengths[i]:
@@ -76,7 +76,7 @@ def token_contexts(steps: list[dict], lengths: list[int]) -> list[list[dict]]:
                         "k_verified": drafts,
                         "accepted_draft": j < emitted - 1,
                         "index_in_step": j,
-                        "position": start + j + 1,
+                        "position": start + scheduled - drafts + j,  # the sequence's index of this token
                         "catch_up_before_drafts": last_catch.get(rid, 0),
                     }
                 )
@@ -122,6 +122,7 @@ class Tally:
     diffs: list[np.ndarray] = field(default_factory=list)
     by_kind: dict[str, list] = field(default_factory=dict)  # kind -> [tokens, max]
     worst: list[tuple[float, int, dict]] = field(default_factory=list)  # a min-heap of (diff, tiebreak, token)
+    seq_means: list[float] = field(default_factory=list)  # mean |diff| of each sequence
     scale: float = 0.0
     _n: int = 0
 
@@ -130,6 +131,8 @@ class Tally:
         for i, (e, t) in enumerate(zip(engine_lp, trainer_lp)):
             d = np.abs(np.asarray(e, dtype=np.float64) - np.asarray(t, dtype=np.float64))
             d_all.append(d)
+            if d.size:  # a stale KV entry would raise every later token of its sequence, not one token
+                self.seq_means.append(float(d.mean()))
             self.scale = max(self.scale, float(np.max(np.abs(t), initial=0.0)))
             ctxs = contexts[i] if contexts else []
             for j, ctx in enumerate(ctxs[: len(d)]):
@@ -163,4 +166,7 @@ class Tally:
     def report(self) -> dict:
         all_d = np.concatenate(self.diffs) if self.diffs else np.zeros(0)
         worst = [w[2] for w in sorted(self.worst, key=lambda w: -w[0])]
-        return {**summary(all_d), "logprob_scale": self.scale, "max_by_kind": self.by_kind, "worst": worst}
+        means = np.asarray(self.seq_means)
+        seqs = {"sequences": int(means.size), "worst_sequence_mean": float(means.max(initial=0.0))}
+        seqs["median_sequence_mean"] = float(np.median(means)) if means.size else 0.0
+        return {**summary(all_d), **seqs, "logprob_scale": self.scale, "max_by_kind": self.by_kind, "worst": worst}

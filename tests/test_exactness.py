@@ -28,9 +28,29 @@ from step_records import importable  # noqa: E402
 
 from rl_specdec.rollout import SamplingSettings  # noqa: E402
 
-pytestmark = pytest.mark.integration
 PROMPTS, REPEAT, MICRO_BATCH = 32, 8, 64  # 256 requests a call, the trainer's micro-batch of the default run
 STRETCHES = [0] * 8 + [3] * 3 + [0] * 5 + [1, 2, 3, 2] + [0] * 12 + [2] * 4 + [3, 0, 1, 0, 3, 3]
+
+
+def test_token_contexts_place_every_token_in_its_step():
+    """Two requests (vLLM numbers them: "7-ab" is the first, "12-cd" the second): a prefill, a plain step, a verify step
+    that accepted one of two drafts after a catch-up, and a step past the end of request 0."""
+    steps = [
+        {"k_next": 0, "k_verify": 0, "plain": True, "reqs": {"12-cd": [0, 3, 0, 1, 0], "7-ab": [0, 2, 0, 1, 0]}},
+        {"k_next": 2, "k_verify": 0, "plain": False, "reqs": {"12-cd": [3, 1, 0, 1, 4], "7-ab": [2, 1, 0, 1, 3]}},
+        {"k_next": 2, "k_verify": 2, "plain": False, "reqs": {"12-cd": [4, 3, 2, 2, 0], "7-ab": [3, 3, 2, 3, 0]}},
+    ]
+    ctx = ec.token_contexts(steps, [4, 4])
+    assert [[c["position"] for c in x] for x in ctx] == [[2, 3, 4, 5], [3, 4, 5, 6]]
+    assert [c["step"] for c in ctx[1]] == [0, 1, 2, 2]
+    assert [ec.kind(c) for c in ctx[1]] == ["plain step", "verify step's own sample"] + ["drafts after a catch-up"] * 2
+    assert ctx[1][2]["accepted_draft"] and not ctx[1][3]["accepted_draft"] and ctx[1][3]["k_history"] == [0, 2, 2]
+
+
+def test_bound_follows_the_control_and_the_dtype():
+    assert ec.bound(1e-5, 10.0) == pytest.approx(1e-4)
+    assert ec.bound(0.0, 10.0) == pytest.approx(16 * torch.finfo(torch.float32).eps * 10)
+    assert ec.bound(0.0, 10.0, torch.bfloat16) > 100 * ec.bound(0.0, 10.0)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +83,7 @@ def _run(engine, prompts, schedule, seed: int):
     return out, steps
 
 
+@pytest.mark.integration
 def test_sampled_logprobs_are_the_trainers_while_k_changes(engine, task_prompts, tokenizer, hf_policy):
     prompts = [p for p in task_prompts[:PROMPTS] * 2 for _ in range(REPEAT // 2)]
     control, spec = ec.Tally(), ec.Tally()
@@ -76,6 +97,10 @@ def test_sampled_logprobs_are_the_trainers_while_k_changes(engine, task_prompts,
         ctx = ec.token_contexts(steps, [len(t) for t in out.token_ids])
         ref = ec.recompute(hf_policy, prompts, out.token_ids, MICRO_BATCH, tokenizer.pad_token_id)
         spec.add(call, prompts, out.token_ids, out.logprobs, ref, ctx)
+        # the recorded steps account for every sampled token, each at its place in the sequence
+        assert [[c["position"] for c in x] for x in ctx] == [
+            list(range(len(p), len(p) + len(t))) for p, t in zip(prompts, out.token_ids)
+        ]
         ks = [s["k_next"] for s in steps]
         steps_seen += len(steps)
         switches += sum(a != b for a, b in zip(ks, ks[1:]))
