@@ -160,6 +160,9 @@ def run_mode(group, model, cfg, mode: str, budget: int, args, tally: ec.Tally, b
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report:
+        print(table(json.loads(Path(args.report).read_text())))
+        return 0
     importable()
     results = {"pair": args.pair, "tokens": args.tokens, "seed": args.seed, "modes": {}, "machine": machine()}
     by_engine: dict[str, list[str]] = {}
@@ -267,6 +270,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], help="a config override, e.g. policy.micro_batch_size=4")
     p.add_argument("--perturb-target", type=float, default=0.0, help="negative control: target weights' noise")
     p.add_argument("--out", default=str(REPO / "results" / "exactness"))
+    p.add_argument("--report", help="print the tables of a JSON this command wrote, and run nothing")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in args.modes if m not in MODES]

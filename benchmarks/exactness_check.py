@@ -125,6 +125,7 @@ class Tally:
     seq_means: list[float] = field(default_factory=list)  # mean |diff| of each sequence
     scale: float = 0.0
     _n: int = 0
+    _seen: set = field(default_factory=set)
 
     def add(self, call: int, prompts, tokens, engine_lp, trainer_lp, contexts=None) -> np.ndarray:
         d_all = []
@@ -148,6 +149,15 @@ class Tally:
         return flat
 
     def _push(self, d: float, item: dict) -> None:
+        # GRPO repeats each prompt: identical samples of one call score alike; keep one of them
+        key = (
+            item["call"],
+            tuple(item["sequence"]["prompt"]),
+            tuple(item["sequence"]["completion"][: item["token"] + 1]),
+        )
+        if key in self._seen:
+            return
+        self._seen.add(key)
         self._n += 1
         entry = (d, self._n, {"diff": d, **item})
         if len(self.worst) < self.keep:
