@@ -1,0 +1,283 @@
+"""Is speculative decoding invisible to learning? Every sampled token's engine log-prob against the trainer's.
+
+Engines are built from the GRPO run's own config (``--pair toy``: configs/grpo_spec.yaml, ``--pair wide``:
+configs/grpo_spec_wide.yaml) in fp32, with prefix caching on and the run's generate calls (its task's P
+problems each repeated G times, its max_new_tokens, temperature 1, the steps' seeds). Each sampled token's
+log-prob as the engine reports it is compared with the trainer's: the same token sequences scored in
+transformers (fp32) the way the GRPO trainer scores them (right-padded, length-sorted micro-batches,
+``token_logprobs_and_entropy``). Modes, each its own stretch of calls:
+
+* ``none``: no speculation (the control: the engine's own numerics against the trainer's);
+* ``warmup``: the adaptive controller, restarted before every call so that every call runs its warm-up
+  (each k for a few steps: the stretch of a run that switches k most), then its exploration;
+* ``random``: k drawn at random in 0..k_max for every engine step (k changes within calls, in and out of
+  the k=0 fast path, while requests finish at their own lengths and, where a call has more requests than
+  the engine runs at once, others arrive);
+* ``stretch``: k=0 for 3-40 steps, then k>0 for 1-12 steps: drafting after every stretch starts with the
+  drafter catch-up;
+* ``stale-drafter``: as ``stretch`` with the drafter catch-up switched off, so the drafter proposes from a KV
+  cache with holes: what it proposes changes, what is sampled must not (the drafter only proposes);
+* ``refit``: as ``random``, after a refit of a perturbed drafter before every call (the drafter-training
+  refit path; lossless must hold for any drafter).
+
+It prints a markdown table (tokens, max, p99.99, p99 and median of |engine - trainer| per mode, and the bound
+derived from the control) and the worst tokens with their context, and writes JSON::
+
+    python benchmarks/exactness.py --pair toy --tokens 200000
+    python benchmarks/exactness.py --pair wide --tokens 1000000 --modes none,warmup
+
+``--perturb-target 1e-4`` refits the speculating engines' target with weights off by that relative noise:
+the negative control, which the check must flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import exactness_check as ec
+import exactness_engine
+from step_records import importable
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = {"toy": REPO / "configs" / "grpo_spec.yaml", "wide": REPO / "configs" / "grpo_spec_wide.yaml"}
+GEN = "policy.generation"
+SPEC, CONTROL = f"{GEN}.vllm_kwargs.speculative_config", f"{GEN}.speculation_control"
+# engine -> overrides of the run's config; modes run on the engine named here
+ENGINES = {
+    "none": [f"{SPEC}=null", f"{CONTROL}.mode=off"],
+    "adaptive": [f"{CONTROL}.mode=adaptive", f"{CONTROL}.draft_below=null", f"{CONTROL}.start=zero"],
+    "fixed": [f"{CONTROL}.mode=fixed", f"{CONTROL}.draft_below=null"],
+}
+MODES = {
+    "none": "none",
+    "warmup": "adaptive",
+    "random": "fixed",
+    "stretch": "fixed",
+    "stale-drafter": "fixed",
+    "refit": "fixed",
+}
+# of --tokens (and of --minutes)
+SHARE = {"none": 0.1, "warmup": 0.35, "random": 0.15, "stretch": 0.15, "stale-drafter": 0.1, "refit": 0.15}
+
+
+def load(pair: str, engine: str, extra: list[str]):
+    from rl_specdec.config import load_config
+
+    return load_config(CONFIGS[pair], ["policy.precision=fp32", *ENGINES[engine], *extra])
+
+
+def schedule(mode: str, k_max: int, seed: int, n: int = 4999) -> list[int] | None:
+    """k per engine step for the fixed engine's modes (read cyclically by the engine)."""
+    rng = random.Random(seed)
+    if mode in ("random", "refit"):
+        return [rng.randint(0, k_max) for _ in range(n)]
+    if mode in ("stretch", "stale-drafter"):
+        out: list[int] = []
+        while len(out) < n:
+            out += [0] * rng.randint(3, 40) + [rng.randint(1, k_max)] * rng.randint(1, 12)
+        return out
+    return None
+
+
+class Calls:
+    """The run's generate calls: step s's problems repeated G times, its sampling settings."""
+
+    def __init__(self, cfg, seed: int):
+        from transformers import AutoTokenizer
+
+        from rl_specdec.tasks import make_task
+
+        self.cfg, self.seed = cfg, seed
+        self.task = make_task(cfg.task.name, **cfg.task.kwargs)
+        self.tok = AutoTokenizer.from_pretrained(cfg.policy.model_name)
+
+    def __call__(self, step: int):
+        from rl_specdec.grpo.step import prompt_seed, sampling_seed
+        from rl_specdec.rollout import SamplingSettings
+        from rl_specdec.tasks import encode_prompts
+
+        g = self.cfg.grpo
+        samples = self.task.make_batch(seed=prompt_seed(self.seed, step), n=g.num_prompts_per_step)
+        prompts = [
+            ids for ids in encode_prompts(self.task, self.tok, samples) for _ in range(g.num_generations_per_prompt)
+        ]
+        return prompts, SamplingSettings.from_config(self.cfg.policy.generation, seed=sampling_seed(self.seed, step))
+
+
+def perturbed(path: str, scale: float, seed: int) -> dict:
+    """The model's weights plus Gaussian noise of ``scale`` times each tensor's std (seeded)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sd = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + torch.randn(v.shape, generator=g) * v.std() * scale if v.numel() > 1 else v for k, v in sd.items()}
+
+
+def before_call(group, mode: str, cfg, call: int, args) -> None:
+    if mode == "warmup":
+        group.engine_rpc("rl_specdec_exactness", restart_controller=True)
+    if mode == "refit":
+        drafter = cfg.policy.generation.vllm_kwargs["speculative_config"]["model"]
+        group.update_weights(perturbed(drafter, 0.05, args.seed * 1000 + call), target="drafter")
+
+
+def run_mode(group, model, cfg, mode: str, budget: int, args, tally: ec.Tally, bar) -> dict:
+    """Calls until ``budget`` tokens are checked; returns the mode's counters."""
+    calls, spec = Calls(cfg, args.seed), mode != "none"
+    k_max = cfg.policy.generation.vllm_kwargs["speculative_config"]["num_speculative_tokens"] if spec else 0
+    if spec:
+        sched = schedule(mode, k_max, args.seed)
+        group.engine_rpc("rl_specdec_exactness", schedule=sched, catch_up=mode != "stale-drafter", take=True)
+    n, call, gen_s, catch_up = 0, 0, 0.0, 0
+    deadline = time.monotonic() + 60 * args.minutes * SHARE[mode] / sum(SHARE[m] for m in args.modes)
+    while n < budget and time.monotonic() < deadline:
+        prompts, sampling = calls(10_000 * (1 + list(MODES).index(mode)) + call)  # each mode its own steps
+        before_call(group, mode, cfg, call, args)
+        t0 = time.perf_counter()
+        out = group.generate(prompts, sampling)
+        gen_s += time.perf_counter() - t0
+        ctx = None
+        if spec:
+            steps = group.engine_rpc("rl_specdec_exactness", take=True)[0]["steps"]
+            ctx = ec.token_contexts(steps, [len(t) for t in out.token_ids])
+            catch_up += sum(r[4] for s in steps for r in s["reqs"].values())
+        ref = ec.recompute(model, prompts, out.token_ids, cfg.policy.micro_batch_size, calls.tok.pad_token_id)
+        tally.add(call, prompts, out.token_ids, out.logprobs, ref, ctx)
+        got = sum(len(t) for t in out.token_ids)
+        n, call = n + got, call + 1
+        bar.update(got)
+    if spec:
+        group.engine_rpc("rl_specdec_exactness", schedule=None, catch_up=True)
+    tally.explain(model)
+    return {"calls": call, "generate_s": gen_s, "tokens_per_s": n / max(gen_s, 1e-9), "catch_up_tokens": catch_up}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.report:
+        print(table(json.loads(Path(args.report).read_text())))
+        return 0
+    importable()
+    results = {"pair": args.pair, "tokens": args.tokens, "seed": args.seed, "modes": {}, "machine": machine()}
+    by_engine: dict[str, list[str]] = {}
+    for m in args.modes:
+        by_engine.setdefault(MODES[m], []).append(m)
+    for engine, modes in by_engine.items():
+        results["modes"].update(run_engine(engine, modes, args))
+    control = results["modes"].get("none", {}).get("max")
+    if control is not None:
+        scale = max(r.get("logprob_scale", 0.0) for r in results["modes"].values())
+        results["bound"] = ec.bound(control, scale)
+    print(table(results))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"exactness_{args.pair}_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    path.write_text(json.dumps(results, indent=1))
+    print(f"written {path}", file=sys.stderr)
+    bad = [m for m, r in results["modes"].items() if m != "none" and r["max"] > results.get("bound", float("inf"))]
+    return 1 if bad else 0
+
+
+def run_engine(engine: str, modes: list[str], args) -> dict:
+    """One engine for ``modes`` (run in turn on it), shut down before the next engine starts."""
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    cfg = load(args.pair, engine, args.set)
+    group = exactness_engine.engine_group()(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=args.seed)
+    model = AutoModelForCausalLM.from_pretrained(cfg.policy.model_name, dtype=torch.float32).eval()
+    out = {}
+    try:
+        if args.perturb_target and engine != "none":
+            group.update_weights(perturbed(cfg.policy.model_name, args.perturb_target, 7), target="policy")
+        for m in modes:
+            budget = max(1, int(args.tokens * SHARE[m]))
+            tally = ec.Tally()
+            with tqdm(total=budget, desc=f"{args.pair} {m}", unit="tok", file=sys.stderr) as bar:
+                info = run_mode(group, model, cfg, m, budget, args, tally, bar)
+            out[m] = {**tally.report(), **info}
+            print(f"{m}: {out[m]['tokens']} tokens, max {out[m]['max']:.2e}", file=sys.stderr, flush=True)
+    finally:
+        group.shutdown()
+    return out
+
+
+def table(results: dict) -> str:
+    control = results["modes"].get("none", {}).get("max")
+    lines = [
+        f"exactness, {results['pair']} pair, {results['machine']}: |engine log-prob - trainer log-prob| (fp32)",
+        "",
+        "| mode | tokens | calls | gen tokens/s | catch-up tokens | max | p99.99 | p99 | median | max / control's "
+        "| worst sequence's mean |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for m, r in results["modes"].items():
+        ratio = f"{r['max'] / control:.1f}x" if control else "-"
+        lines.append(
+            f"| {m} | {r['tokens']:,} | {r['calls']} | {r['tokens_per_s']:.0f} | {r['catch_up_tokens']:,} | "
+            f"{r['max']:.2e} | {r['p99.99']:.2e} | {r['p99']:.2e} | {r['median']:.2e} | {ratio} "
+            f"| {r.get('worst_sequence_mean', float('nan')):.2e} |"
+        )
+    if "bound" in results:
+        lines += ["", f"bound (max(10 x control's max, 16 fp32 ulps x log-prob scale)): {results['bound']:.2e}"]
+    lines += [
+        "",
+        "| mode | diff | engine | trainer | diff to the sequence alone | call | step | k history | batch | position "
+        "| kind | catch-up |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for m, r in results["modes"].items():
+        for w in r["worst"][:3]:
+            kind = ec.kind(w) if "plain" in w else "-"
+            lines.append(
+                f"| {m} | {w['diff']:.2e} | {w['engine']:.4f} | {w['trainer']:.4f} "
+                f"| {abs(w['engine'] - w['alone']):.2e} "
+                f"| {w['call']} | {w.get('step', '-')} | {w.get('k_history', '-')} | {w.get('batch', '-')} | "
+                f"{w['prompt_len'] + w['token']} | {kind} | {w.get('catch_up_before_drafts', '-')} |"
+            )
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    import os
+    import platform
+
+    name = platform.processor() or platform.machine()
+    flags = ""
+    if os.path.exists("/proc/cpuinfo"):
+        text = Path("/proc/cpuinfo").read_text()
+        name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), name)
+        flags = " AVX-512" if "avx512f" in text else ""
+    from rl_specdec.toy.presets import usable_cores
+
+    return f"{name}, {usable_cores()} cores{flags}"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pair", choices=sorted(CONFIGS), default="toy")
+    p.add_argument("--tokens", type=int, default=20000, help="sampled tokens to check, shared among the modes")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, among {', '.join(MODES)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--minutes", type=float, default=1e9, help="wall-time cap, shared among the modes as --tokens is")
+    p.add_argument("--set", action="append", default=[], help="a config override, e.g. policy.micro_batch_size=4")
+    p.add_argument("--perturb-target", type=float, default=0.0, help="negative control: target weights' noise")
+    p.add_argument("--out", default=str(REPO / "results" / "exactness"))
+    p.add_argument("--report", help="print the tables of a JSON this command wrote, and run nothing")
+    args = p.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(unknown)}; choose among {', '.join(MODES)}")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Speculation is invisible to learning: every sampled token's engine log-prob equals the trainer's, within fp32.
+
+One toy engine with draft_model speculation, run-time k and prefix caching. The control is the same engine
+at k=0 on every step (the fast path runs vLLM's own no-speculation code). Then k changes on almost every
+engine step: random k, k=0 stretches followed by drafting with the drafter catch-up, prompts repeated as
+GRPO repeats them (prefix-cache hits on blocks written in plain steps). Every sampled token's log-prob is
+scored again as the trainer scores it (benchmarks/exactness_check.py), and the worst difference must stay
+within a bound derived from the dtype and from the control (``exactness_check.bound``), not a constant.
+benchmarks/exactness.py runs the same check at length, on the toy and wide pairs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import draft_spec, start_engine
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import exactness_check as ec  # noqa: E402
+import exactness_engine  # noqa: E402
+from step_records import importable  # noqa: E402
+
+from rl_specdec.rollout import SamplingSettings  # noqa: E402
+
+PROMPTS, REPEAT, MICRO_BATCH = 32, 8, 64  # 256 requests a call, the trainer's micro-batch of the default run
+STRETCHES = [0] * 8 + [3] * 3 + [0] * 5 + [1, 2, 3, 2] + [0] * 12 + [2] * 4 + [3, 0, 1, 0, 3, 3]
+
+
+def test_token_contexts_place_every_token_in_its_step():
+    """Two requests (vLLM numbers them: "7-ab" is the first, "12-cd" the second): a prefill, a plain step, a verify step
+    that accepted one of two drafts after a catch-up, and a step past the end of request 0."""
+    steps = [
+        {"k_next": 0, "k_verify": 0, "plain": True, "reqs": {"12-cd": [0, 3, 0, 1, 0], "7-ab": [0, 2, 0, 1, 0]}},
+        {"k_next": 2, "k_verify": 0, "plain": False, "reqs": {"12-cd": [3, 1, 0, 1, 4], "7-ab": [2, 1, 0, 1, 3]}},
+        {"k_next": 2, "k_verify": 2, "plain": False, "reqs": {"12-cd": [4, 3, 2, 2, 0], "7-ab": [3, 3, 2, 3, 0]}},
+    ]
+    ctx = ec.token_contexts(steps, [4, 4])
+    assert [[c["position"] for c in x] for x in ctx] == [[2, 3, 4, 5], [3, 4, 5, 6]]
+    assert [c["step"] for c in ctx[1]] == [0, 1, 2, 2]
+    assert [ec.kind(c) for c in ctx[1]] == ["plain step", "verify step's own sample"] + ["drafts after a catch-up"] * 2
+    assert ctx[1][2]["accepted_draft"] and not ctx[1][3]["accepted_draft"] and ctx[1][3]["k_history"] == [0, 2, 2]
+
+
+def test_bound_follows_the_control_and_the_dtype():
+    assert ec.bound(1e-5, 10.0) == pytest.approx(1e-4)
+    assert ec.bound(0.0, 10.0) == pytest.approx(16 * torch.finfo(torch.float32).eps * 10)
+    assert ec.bound(0.0, 10.0, torch.bfloat16) > 100 * ec.bound(0.0, 10.0)
+
+
+@pytest.fixture(scope="module")
+def engine(request, toy):
+    import ray
+
+    ray.shutdown()
+    importable()  # the engines load exactness_engine's extension by name
+    from conftest import ensure_local_ray
+
+    ensure_local_ray()
+    g = start_engine(
+        toy.policy,
+        draft_spec(toy.drafter),
+        control={"mode": "fixed"},
+        group_cls=exactness_engine.engine_group(),
+        enable_prefix_caching=True,
+    )
+    request.addfinalizer(g.shutdown)
+    return g
+
+
+def _run(engine, prompts, schedule, seed: int):
+    """One call with ``schedule`` (k per engine step); returns (output, engine steps)."""
+    engine.engine_rpc("rl_specdec_exactness", schedule=schedule, take=True)
+    try:
+        out = engine.generate(prompts, SamplingSettings(max_tokens=40, temperature=1.0, seed=seed))
+    finally:
+        steps = engine.engine_rpc("rl_specdec_exactness", schedule=None, take=True)[0]["steps"]
+    return out, steps
+
+
+@pytest.mark.integration
+def test_sampled_logprobs_are_the_trainers_while_k_changes(engine, task_prompts, tokenizer, hf_policy):
+    prompts = [p for p in task_prompts[:PROMPTS] * 2 for _ in range(REPEAT // 2)]
+    control, spec = ec.Tally(), ec.Tally()
+    out, _ = _run(engine, prompts, [0], seed=1)
+    ref = ec.recompute(hf_policy, prompts, out.token_ids, MICRO_BATCH, tokenizer.pad_token_id)
+    control.add(0, prompts, out.token_ids, out.logprobs, ref)
+    steps_seen, switches, catch_up = 0, 0, 0
+    rng = np.random.default_rng(0)
+    for call, schedule in enumerate([STRETCHES, rng.integers(0, 4, 97).tolist()]):
+        out, steps = _run(engine, prompts, schedule, seed=100 + call)
+        ctx = ec.token_contexts(steps, [len(t) for t in out.token_ids])
+        ref = ec.recompute(hf_policy, prompts, out.token_ids, MICRO_BATCH, tokenizer.pad_token_id)
+        spec.add(call, prompts, out.token_ids, out.logprobs, ref, ctx)
+        # the recorded steps account for every sampled token, each at its place in the sequence
+        assert [[c["position"] for c in x] for x in ctx] == [
+            list(range(len(p), len(p) + len(t))) for p, t in zip(prompts, out.token_ids)
+        ]
+        ks = [s["k_next"] for s in steps]
+        steps_seen += len(steps)
+        switches += sum(a != b for a, b in zip(ks, ks[1:]))
+        catch_up += sum(r[4] for s in steps for r in s["reqs"].values())
+    c, s = control.report(), spec.report()
+    limit = ec.bound(c["max"], max(c["logprob_scale"], s["logprob_scale"]))
+    # the run covered what it claims: many k switches, plain steps, catch-ups, drafts accepted
+    assert switches > steps_seen // 4 and catch_up > 0, (switches, steps_seen, catch_up)
+    assert {"plain step", "accepted draft", "drafts after a catch-up"} <= set(s["max_by_kind"]), s["max_by_kind"]
+    assert s["tokens"] > 3000 and c["tokens"] > 1500, (s["tokens"], c["tokens"])
+    assert s["max"] <= limit, f"max |engine - trainer| {s['max']:.2e} > {limit:.2e}; worst: {s['worst'][:2]}"
+    # the check can fail: the same tokens scored by a target off by 1% of its weights' std in one matrix
+    perturbed = _perturbed_copy(hf_policy)
+    off = ec.recompute(perturbed, prompts, out.token_ids, MICRO_BATCH, tokenizer.pad_token_id)
+    bad = ec.Tally()
+    bad.add(0, prompts, out.token_ids, out.logprobs, off)
+    assert bad.report()["max"] > limit, (bad.report()["max"], limit)
+
+
+def _perturbed_copy(model):
+    import copy
+
+    m = copy.deepcopy(model)
+    w = m.model.layers[-1].mlp.down_proj.weight
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        w += torch.randn(w.shape, generator=g) * w.std() * 1e-2
+    return m
