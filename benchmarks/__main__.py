@@ -35,7 +35,7 @@ COMMANDS: dict[str, Command] = {
     "gpu-whatif": Command("gpu_whatif", "main", "What would speculation buy on a GPU? (a model, not a measurement)"),
     "gpu-torch": Command("gpu_torch", "main", "How fast are the train step and decode kernels on this GPU?"),
     "refit": Command("refit", "main", "What does handing the weights to the engines cost, whole or bucketed?"),
-    # the lead's registry line: "exactness": Command("exactness", "main", "..."),
+    "exactness": Command("exactness", "main", "Is every sampled token's log-prob the trainer's while k changes?"),
 }
 
 
