@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-COMMANDS = ("grpo", "staleness", "peer", "rollout", "cost-table", "gpu-whatif", "gpu-torch", "refit")
+COMMANDS = ("grpo", "staleness", "peer", "rollout", "cost-table", "gpu-whatif", "gpu-torch", "refit", "exactness")
 STUDIES = (
     "agent_success",
     "grpo_gap",
