@@ -124,7 +124,11 @@ def load_config_as_written(path: str | os.PathLike | None = None, overrides: lis
 # ---- validation -----------------------------------------------------------------
 
 
-def _resolve_one(name: str, key: str, toy_paths) -> str:
+def _resolve_one(name: str, key: str, toy_paths, build: bool = True) -> str:
+    from rl_specdec.toy.packaged import PKG_PREFIX, packaged_model_path  # stdlib only until a model is built
+
+    if name.startswith(PKG_PREFIX):  # a model shipped in a PyPI package, converted once into a cached folder
+        return packaged_model_path(name, key, build)
     if name.startswith(TOY_PREFIX):
         which = name[len(TOY_PREFIX) :]
         if which not in TOY_MODELS:
@@ -164,11 +168,12 @@ def resolve_model_paths(cfg: RunConfig, build_toy: bool = True) -> None:
             cache[pair] = builders[pair]()
         return cache[pair]
 
-    cfg.policy.model_name = _resolve_one(cfg.policy.model_name, "policy.model_name", toy_paths)
+    cfg.policy.model_name = _resolve_one(cfg.policy.model_name, "policy.model_name", toy_paths, build_toy)
     kw = cfg.policy.generation.vllm_kwargs
     spec = kw.get("speculative_config")
     if spec and spec.get("model"):
-        spec["model"] = _resolve_one(spec["model"], "policy.generation.vllm_kwargs.speculative_config.model", toy_paths)
+        spec_key = "policy.generation.vllm_kwargs.speculative_config.model"
+        spec["model"] = _resolve_one(spec["model"], spec_key, toy_paths, build_toy)
     check_backend_runs(kw.get("speculative_config"), on_cpu=cfg.policy.device == "cpu" and is_cpu())
     with warnings.catch_warnings():
         if not build_toy:  # toy:* names are not folders yet: nothing to compare vocabularies with
