@@ -1,7 +1,8 @@
 """The real model shipped in a package (``pkg:smollm2-135m-instruct``): resolution, errors, chat template.
 
-The error tests need neither the package nor the model. The rest (``integration``) dequantise the GGUF
-once into the cache (about a minute the first time) and share that folder.
+The error tests need neither the package nor the model. The rest (``integration``) share the folder of
+conftest's ``smollm2`` fixture (the GGUF dequantised once into the cache: about a minute the first time).
+Engines on it: tests/test_real_model_engine.py.
 """
 
 from __future__ import annotations
@@ -88,19 +89,6 @@ def test_as_written_builds_nothing(monkeypatch, tmp_path):
 
 
 # ---- the converted folder ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    installed_gguf()
-    return Path(packaged.packaged_model_path(SMOLLM2, "policy.model_name"))
-
-
-@pytest.fixture(scope="module")
-def smol_tokenizer(smollm2):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2)
 
 
 @pytest.mark.integration
