@@ -57,6 +57,7 @@ import length_pool
 import overlap_runs
 import peer_trl
 import precision_runs
+import real_model_runs
 import rollout
 import rollout_report
 from bench_args import QUICK_STEPS, SECTIONS, Bench, parse
@@ -175,6 +176,8 @@ def grpo_extras(b: Bench, stats: dict, per_seed: dict, runs: dict) -> None:
     dirs = {n: {sd: run_dir(b.out, n, sd) for sd in per} for n, per in runs.items()}
     if PRECISION_VARIANTS & set(stats):
         b.emit("Precision: fp32 against bf16-mixed", precision_runs.precision_table(stats, per_seed, dirs))
+    if set(real_model_runs.VARIANTS) & set(stats):
+        b.emit("The real model: held-out accuracy and log-prob mismatch", real_model_runs.learning_table(dirs))
     if OVERLAP_VARIANTS & set(stats):
         b.emit("Overlap: max_staleness 0 against 1", overlap_runs.overlap_table(stats, per_seed, runs, dirs))
         b.emit("Overlap, modelled per device split (docs/scaling.md)", overlap_runs.split_table(stats))

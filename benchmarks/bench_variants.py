@@ -8,6 +8,7 @@ from pathlib import Path
 import drafter_life  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
 import overlap_runs
 import precision_runs
+import real_model_runs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -143,6 +144,8 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     **precision_runs.VARIANTS,
     # grpo.max_staleness 0 against 1 (rollouts overlapping training), both tasks: benchmarks/overlap_runs.py
     **overlap_runs.VARIANTS,
+    # the real model, SmolLM2-135M-Instruct, without speculation and with ngram: benchmarks/real_model_runs.py
+    **real_model_runs.VARIANTS,
 }
 QUICK_VARIANTS = ["grpo_base", "grpo_spec"]  # --quick: the shipped default against its baseline
 TRAINER_VARIANTS = {"grpo_spec policy 2x"}  # change the trainer, not the rollouts: kept out of the speculation verdicts
@@ -160,8 +163,8 @@ PHASES = ("generation", "train", "refit", "validation", "reward", "prompts")
 
 
 def family(name: str) -> str:
-    """The workload a variant runs: "" (the default task), "longtail" or "wide"."""
-    return next((f for f in ("longtail", "wide") if name.startswith(f + " ")), "")
+    """The workload a variant runs: "" (the default task), "longtail", "wide" or "smollm2" (the real model)."""
+    return next((f for f in ("longtail", "wide", "smollm2") if name.startswith(f + " ")), "")
 
 
 # A wide-pair run's processes in a lockstep ring (measured, fp32): its engine 2.4-2.6 GB, its policy worker

@@ -1,7 +1,7 @@
 """Greedy held-out accuracy of a config's policy before any training: the step-0 number, without a trainer.
 
     python examples/heldout_accuracy.py --config configs/smollm2_base.yaml \
-        --task-kwargs '{min_steps: 1, max_steps: 1, max_start: 20}' '{min_steps: 2, max_steps: 2, max_start: 20}'
+        --task-kwargs '{min_steps: 1, max_steps: 1, max_start: 20}' --task-kwargs '{min_steps: 2, max_steps: 2}'
 
 One engine of the config's generation settings; for each task setting (merged over ``task.kwargs``) the
 ``grpo.val_num_prompts`` problems of the validation split that GRPO's own validation uses, scored as it
@@ -21,7 +21,9 @@ from omegaconf import OmegaConf
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
-    parser.add_argument("--task-kwargs", nargs="*", default=["{}"], help="YAML maps merged over task.kwargs")
+    parser.add_argument(
+        "--task-kwargs", action="append", help="a YAML map merged over task.kwargs; repeat it to compare settings"
+    )
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
 
@@ -39,7 +41,7 @@ def main() -> None:
     generation = VllmGeneration(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
     greedy = SamplingSettings.from_config(cfg.policy.generation, temperature=0.0)
     try:
-        for extra in args.task_kwargs:
+        for extra in args.task_kwargs or ["{}"]:
             kwargs = {**cfg.task.kwargs, **OmegaConf.to_container(OmegaConf.create(extra))}
             run = SimpleNamespace(cfg=cfg, tokenizer=tokenizer, task=make_task(cfg.task.name, **kwargs))
             samples = run.task.validation_batch(seed=VAL_SEED, n=cfg.grpo.val_num_prompts)  # as evaluate() does

@@ -180,10 +180,11 @@ def start_engine(
     cluster=None,
     control=None,
     group_cls=None,
+    server=None,
     **extra_kwargs,
 ):
     """A VllmGeneration (or ``group_cls``) on the toy policy, with ``spec`` as its speculative_config
-    and ``control`` (a dict) as its speculation_control."""
+    and ``control`` (a dict) as its speculation_control; ``server`` goes to an AsyncVllmGeneration."""
     from rl_specdec.config import GenerationConfig, SpeculationControlConfig, validate_vllm_kwargs
     from rl_specdec.rollout.group import VllmGeneration
 
@@ -196,7 +197,8 @@ def start_engine(
         self_check=False,
         speculation_control=SpeculationControlConfig(**(control or {})),
     )
-    return (group_cls or VllmGeneration)(str(policy_path), cfg, cluster=cluster)
+    more = {"server": server} if server is not None else {}
+    return (group_cls or VllmGeneration)(str(policy_path), cfg, cluster=cluster, **more)
 
 
 def module_engine(request, toy, spec, **kw):

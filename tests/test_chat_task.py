@@ -82,7 +82,23 @@ def test_problems_are_deterministic_correct_and_split():
     assert all(s.prompt.endswith("\\boxed{N}.") for s in train)
 
 
+def test_operations_and_max_operand_bound_the_problems():
+    """The real model's task: one gain or loss of at most 10 on a count up to 10, every answer still right."""
+    task = ArithmeticChatTask(min_steps=1, max_steps=1, max_start=10, operations=["gain", "lose"], max_operand=10)
+    problems = task.make_batch(seed=5, n=300) + task.validation_batch(seed=5, n=100)
+    assert all(str(solve(s.prompt)) == s.answer for s in problems)
+    kinds = {("gets" in s.prompt, "gives" in s.prompt) for s in problems}
+    assert kinds == {(True, False), (False, True)}  # both kinds, nothing else
+    gains = [int(re.search(r"gets (\d+) more", s.prompt).group(1)) for s in problems if "gets" in s.prompt]
+    assert max(gains) == 10 and min(gains) == 2
+    assert max(int(re.search(r"has (\d+) ", s.prompt).group(1)) for s in problems) <= 10
+
+
 def test_bad_task_values_stop_the_load_with_the_key():
+    with pytest.raises(ConfigError, match=r"task.kwargs.operations=\['gain', 'divide'\]: give a non-empty subset"):
+        ArithmeticChatTask(operations=["gain", "divide"])
+    with pytest.raises(ConfigError, match=r"task.kwargs.max_operand=1 must be >= 2"):
+        ArithmeticChatTask(max_operand=1)
     with pytest.raises(ConfigError, match=r"task.kwargs.min_steps=4, max_steps=2: need 1 <= min_steps <= max_steps"):
         load_config(
             SPEC,

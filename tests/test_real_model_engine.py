@@ -1,7 +1,9 @@
 """vLLM on the real model (``pkg:smollm2-135m-instruct``): greedy tokens and log-probs equal transformers',
-without speculation and with ``ngram``, and the end-of-turn token ``<|im_end|>`` ends a response.
+without speculation and with ``ngram``; the end-of-turn token ``<|im_end|>`` ends a response; vLLM's OpenAI app
+serves it through the model's own chat template, with token ids and log-probs back, streamed or not.
 
-Both engines run float32, eager, on the converted folder, exactly as a user's checkpoint.
+Both engines run float32, eager, on the converted folder, exactly as a user's checkpoint. The ``ngram`` one
+is the async engine with its OpenAI server, so the greedy comparison covers the engine the server uses.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ pytestmark = pytest.mark.integration
 MAX_TOKENS = 32
 GREEDY = SamplingSettings(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
 ENGINE = {"max_model_len": 512, "kv_cache_memory_bytes": 2**27}  # 46 KB a token in fp32: ~2,900 tokens
+SERVED = "smollm2"
 LOGPROB_TOL = 2e-3  # float32, different kernels (vLLM's CPU attention against transformers' eager)
 
 
@@ -45,18 +48,25 @@ def reference(hf_model, prompts):
     return hf_greedy(hf_model, prompts, MAX_TOKENS)
 
 
-def generate(smollm2, spec, prompts):
-    g = start_engine(smollm2, spec, **ENGINE)
-    try:
-        return g.generate(prompts, GREEDY)
-    finally:
-        g.shutdown()
+@pytest.fixture(scope="module")
+def server(request, local_ray, smollm2):
+    """The async engine with ngram and vLLM's OpenAI app, on the model's own chat template."""
+    from rl_specdec.rollout.group import AsyncVllmGeneration
+
+    g = start_engine(smollm2, NGRAM, group_cls=AsyncVllmGeneration, server={"served_model_name": SERVED}, **ENGINE)
+    request.addfinalizer(g.shutdown)
+    return g
 
 
 @pytest.fixture(scope="module")
-def outputs(local_ray, smollm2, prompts):
-    """Greedy outputs of an engine without speculation and of one with ngram, one engine at a time."""
-    return {"none": generate(smollm2, None, prompts), "ngram": generate(smollm2, NGRAM, prompts)}
+def outputs(local_ray, smollm2, prompts, server):
+    """Greedy outputs of an engine without speculation (started and stopped here) and of the ngram server's."""
+    g = start_engine(smollm2, None, **ENGINE)
+    try:
+        plain = g.generate(prompts, GREEDY)
+    finally:
+        g.shutdown()
+    return {"none": plain, "ngram": server.generate(prompts, GREEDY)}
 
 
 @pytest.mark.parametrize("method", ["none", "ngram"])
@@ -83,3 +93,50 @@ def test_end_of_turn_ends_a_response(outputs, smol_tokenizer):
             assert (reason, len(ids)) == ("length", MAX_TOKENS) and im_end not in ids
     assert out.finish_reasons[-1] == "stop"  # "What is 2 + 3? Answer with the number only."
     assert decode_response(smol_tokenizer, out.token_ids[-1], "stop").strip().endswith("5")
+
+
+def _chat(url: str, messages: list[dict], stream: bool):
+    """(content, generated ids, log-probs, prompt ids, finish reason) of one greedy chat request."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120.0)
+    body = {"model": SERVED, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True}
+    if not stream:
+        c = client.chat.completions.create(**body).choices[0]
+        m = c.to_dict()
+        lps = [x["logprob"] for x in m["logprobs"]["content"]]
+        return (
+            m["message"]["content"],
+            m["message"]["generation_token_ids"],
+            lps,
+            m["message"]["prompt_token_ids"],
+            c.finish_reason,
+        )
+    text, ids, lps, prompt, finish = "", [], [], None, None
+    for ch in client.chat.completions.create(**body, stream=True):
+        d = ch.model_dump()
+        prompt = prompt or d.get("prompt_token_ids")
+        for c in d["choices"]:
+            text += c["delta"].get("content") or ""
+            ids += c.get("token_ids") or []
+            lps += [x["logprob"] for x in ((c.get("logprobs") or {}).get("content") or [])]
+            finish = c.get("finish_reason") or finish
+    return text, ids, lps, prompt, finish
+
+
+def test_the_openai_app_serves_it_through_its_own_chat_template(server, smol_tokenizer, hf_model):
+    """A chat request is rendered by the model's template; its tokens, log-probs and text come back, streamed
+    or not, and equal the engine's greedy output and transformers' log-probs."""
+    (url,) = server.base_urls()
+    messages = [{"role": "user", "content": "What is 2 + 3? Answer with the number only."}]
+    want_prompt = smol_tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    full = _chat(url, messages, stream=False)
+    text, ids, lps, prompt, finish = full
+    assert prompt == want_prompt
+    assert ids == server.generate([want_prompt], GREEDY).token_ids[0]
+    assert finish == "stop" and text == decode_response(smol_tokenizer, ids, "stop") and "5" in text
+    hf = hf_token_logprobs(hf_model, want_prompt, ids)
+    assert len(lps) == len(ids) and max(abs(a - b) for a, b in zip(lps, hf)) < LOGPROB_TOL
+    s_text, s_ids, s_lps, s_prompt, s_finish = _chat(url, messages, stream=True)
+    assert (s_text, s_ids, s_prompt, s_finish) == (text, ids, prompt, finish)
+    assert max(abs(a - b) for a, b in zip(s_lps, lps)) < LOGPROB_TOL and len(s_lps) == len(lps)

@@ -71,6 +71,7 @@ class PolicyWorker:
         self.config = config
         self.keep_reference = keep_reference
         self.seed = seed
+        self.tokenizer_source: str | None = None  # set by a load from a folder or hub id; not by from_module
         self.rank, self.world_size = 0, 1
 
     def node_info(self) -> dict[str, Any]:
@@ -120,6 +121,7 @@ class PolicyWorker:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.config.model_name, dtype=precision.dtype(dtype))
+        self.tokenizer_source = self.config.model_name  # a checkpoint carries the tokenizer of the model it trains
         return model.to(self.device)
 
     @classmethod
@@ -261,8 +263,13 @@ class PolicyWorker:
 
     def save_checkpoint(self, path: str) -> None:
         """Write model + optimizer into ``path`` (a fresh folder chosen by the caller), whatever the worker count.
-        The master weights and AdamW state as they are kept (float32 under fp32 and bf16-mixed)."""
+        The master weights and AdamW state as they are kept (float32 under fp32 and bf16-mixed). The policy's
+        tokenizer goes beside the model, so ``path/model`` loads, and serves, as the checkpoint it started from."""
         state.save(self.model, self.opt, path)
+        if self.rank == 0 and self.tokenizer_source:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(self.tokenizer_source).save_pretrained(f"{path}/model")
 
     def load_checkpoint(self, path: str) -> None:
         state.load(self.model, self.opt, path)

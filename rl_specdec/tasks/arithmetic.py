@@ -44,6 +44,7 @@ NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goro", "Hana", "Ivan", 
 ITEMS = ("apples", "stamps", "marbles", "books", "coins", "stickers", "pencils", "shells")
 MULTIPLES = {2: "twice", 3: "three times", 4: "four times"}
 INSTRUCTION = "Reason step by step, then give the final answer as \\boxed{N}."
+OPERATIONS = ("gain", "pack", "lose", "multiple", "split")
 MAX_COUNT = 100_000  # no multiple is taken of a count above this: answers stay short
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -75,15 +76,18 @@ def _count(k: int, item: str) -> str:
     return f"{k} {item if k != 1 else item[:-1]}"
 
 
-def _operation(rng: random.Random, who: str, item: str, x: int) -> tuple[str, int]:
-    """One random operation on the count ``x``: its sentence and the new count."""
+def _operation(
+    rng: random.Random, who: str, item: str, x: int, allowed: tuple[str, ...] = OPERATIONS, max_operand: int = 30
+) -> tuple[str, int]:
+    """One random operation on ``x``, of the ``allowed`` kinds that apply: its sentence and the new count."""
     kinds = ["gain", "pack"] + (["lose"] if x >= 2 else [])
     kinds += ["multiple"] if 0 < x <= MAX_COUNT else []
     divisors = [d for d in range(2, 7) if x >= d and x % d == 0]
     kinds += ["split"] if divisors else []
+    kinds = [k for k in kinds if k in allowed] or ["gain"]  # a gain always applies
     kind = rng.choice(kinds)
     if kind == "gain":
-        k = rng.randint(2, 30)
+        k = rng.randint(2, max(2, max_operand))
         return f"{who} gets {k} more {item}.", x + k  # k >= 2
     if kind == "pack":
         a, b = rng.randint(2, 9), rng.randint(2, 12)
@@ -103,7 +107,8 @@ class ArithmeticChatTask:
     """Arithmetic word problems for a chat model, encoded with its chat template.
 
     ``min_steps``/``max_steps`` bound the operations per problem; ``max_start``
-    the starting count. ``chat_template_kwargs`` go to ``apply_chat_template``
+    the starting count; ``operations`` the kinds drawn from (a subset of
+    :data:`OPERATIONS`); ``max_operand`` the count a gain adds. ``chat_template_kwargs`` go to ``apply_chat_template``
     (e.g. ``{enable_thinking: false}`` for Qwen3); ``system_prompt``, when set,
     is sent as a system message before the problem.
     """
@@ -111,6 +116,8 @@ class ArithmeticChatTask:
     min_steps: int = 2
     max_steps: int = 5
     max_start: int = 50
+    operations: tuple[str, ...] = OPERATIONS
+    max_operand: int = 30
     instruction: str = INSTRUCTION
     system_prompt: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -123,6 +130,14 @@ class ArithmeticChatTask:
             )
         if self.max_start < 1:
             raise ConfigError(f"task.kwargs.max_start={self.max_start} must be >= 1")
+        self.operations = tuple(self.operations)
+        unknown = sorted(set(self.operations) - set(OPERATIONS))
+        if unknown or not self.operations:
+            raise ConfigError(
+                f"task.kwargs.operations={list(self.operations)}: give a non-empty subset of {list(OPERATIONS)}"
+            )
+        if self.max_operand < 2:
+            raise ConfigError(f"task.kwargs.max_operand={self.max_operand} must be >= 2 (a gain adds 2..max_operand)")
         if self.holdout_every < 2:
             raise ConfigError(
                 f"task.kwargs.holdout_every={self.holdout_every} must be >= 2 (1 in holdout_every problems is held out)"
@@ -133,7 +148,7 @@ class ArithmeticChatTask:
         x = rng.randint(1, self.max_start)
         sentences = [f"{who} has {_count(x, item)}."]
         for _ in range(num_steps):
-            sentence, x = _operation(rng, who, item, x)
+            sentence, x = _operation(rng, who, item, x, self.operations, self.max_operand)
             sentences.append(sentence)
         sentences.append(f"How many {item} does {who} have now?")
         prompt = " ".join(sentences) + ("\n" + self.instruction if self.instruction else "")

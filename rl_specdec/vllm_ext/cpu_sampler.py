@@ -25,7 +25,22 @@ starts). This module only acts when all of these hold:
 * a probe of the shipped fallback on a float tensor shows the lost write.
 
 So a vLLM release that fixes the fallback is left alone, and GPU machines
-never see the patch. The engine must run in-process
+never see the patch.
+
+Seeded requests whose prompt is prefilled in chunks
+---------------------------------------------------
+After a step whose sample it throws away (a prompt still being prefilled in
+chunks), vLLM's model runner rewinds the request's own generator with
+``gen.set_offset(gen.get_offset() - 4)``: the Philox offset of a CUDA
+generator. A CPU generator has no offset, so the first seeded request whose
+prompt is split across steps kills the engine (``RuntimeError: CPU Generator
+does not use offset``). Short prompts never fill ``max_num_batched_tokens``;
+a batch of real chat prompts does. :func:`apply_seeded_chunk_fix` gives vLLM's
+CPU runner a ``sample_tokens`` that takes those requests' generators out of
+the batch for the sampling call and puts them back after it: the discarded
+rows draw from the global generator, and each request's own stream is left as
+the rewind leaves it on CUDA. Applied only where a CPU generator lacks the
+offset. The engine must run in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which our worker sets) for the patch to
 reach the engine core; the async engine's core gets it through the executor
 class in :mod:`rl_specdec.vllm_ext.worker`.
@@ -40,7 +55,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_state = {"checked": False, "patched": False, "top_k_patched": False}
+_state = {"checked": False, "patched": False, "top_k_patched": False, "chunk_patched": False}
 
 
 def _expand_reference(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
@@ -123,6 +138,44 @@ def apply_top_k_fix() -> bool:
     return True
 
 
+def cpu_generator_lacks_offset() -> bool:
+    """True if a CPU generator refuses ``get_offset``, which vLLM's runner calls to rewind a discarded sample."""
+    try:
+        torch.Generator(device="cpu").get_offset()
+    except RuntimeError:
+        return True
+    return False
+
+
+def _hold_discarded_generators(runner) -> dict[int, torch.Generator]:
+    """Take out of the batch the generators of the requests whose sample this step throws away."""
+    n = runner.input_batch.num_reqs
+    gens = runner.input_batch.generators  # the dict the sampling metadata holds, not a copy
+    return {i: gens.pop(i) for i in map(int, runner.discard_request_mask.np[:n].nonzero()[0]) if i in gens}
+
+
+def apply_seeded_chunk_fix() -> bool:
+    """Keep seeded requests alive (and their streams intact) while their prompt is prefilled in chunks."""
+    from vllm.platforms import current_platform
+
+    if _state["chunk_patched"] or not current_platform.is_cpu() or not cpu_generator_lacks_offset():
+        return _state["chunk_patched"]
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    shipped = CPUModelRunner.sample_tokens
+
+    def sample_tokens(self, grammar_output):
+        held = _hold_discarded_generators(self)
+        try:
+            return shipped(self, grammar_output)
+        finally:
+            self.input_batch.generators.update(held)
+
+    CPUModelRunner.sample_tokens = sample_tokens
+    _state["chunk_patched"] = True
+    return True
+
+
 def apply_cpu_spec_decode_fixes() -> bool:
     """Patch the expand fallback if (and only if) it is broken here, and guard top-k likewise. Idempotent.
 
@@ -134,6 +187,7 @@ def apply_cpu_spec_decode_fixes() -> bool:
     _state["checked"] = True
     if os.environ.get("RL_SPECDEC_DISABLE_CPU_FIX") != "1":
         apply_top_k_fix()
+        apply_seeded_chunk_fix()
     if os.environ.get("RL_SPECDEC_DISABLE_CPU_FIX") == "1":  # tests: show the bug is real
         logger.warning("rl_specdec: RL_SPECDEC_DISABLE_CPU_FIX=1, the CPU expand fix is off")
         return False
@@ -193,4 +247,24 @@ def _probe() -> None:
             raise RuntimeError(f"{owner.__name__}.{name} is gone")
 
 
-PROBES = {"CPU sampler fallbacks (expand kernel, top-k)": _probe}
+def _probe_chunk_rewind() -> None:
+    """The runner still rewinds discarded samples through ``input_batch.generators`` and ``discard_request_mask``."""
+    import inspect
+
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    source = inspect.getsource(CPUModelRunner._bookkeeping_sync)
+    if not all(word in source for word in ("discard_request_mask", "input_batch.generators", "set_offset")):
+        raise RuntimeError("GPUModelRunner._bookkeeping_sync no longer rewinds generators as cpu_sampler expects")
+    if not callable(getattr(CPUModelRunner, "sample_tokens", None)):
+        raise RuntimeError("CPUModelRunner.sample_tokens is gone")
+
+
+PROBES = {
+    "CPU sampler fallbacks (expand kernel, top-k)": _probe,
+    "CPU seeded sampling under chunked prefill": _probe_chunk_rewind,
+}

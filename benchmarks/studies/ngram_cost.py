@@ -1,0 +1,100 @@
+"""What one ngram drafter pass costs against one target step, on the real model (configs/smollm2_base.yaml).
+
+The target step: one engine without speculation, built from the config as a run builds it, decoding a batch
+of b task prompts (``benchmarks/cost_table.py``'s ``timed_call``: an ignore_eos call of ``--tokens`` tokens a
+request, less one of 4 tokens, over its steps). The drafter pass: vLLM's own ``NgramProposer.batch_propose``
+(the numba n-gram match the engine runs on the CPU each step) on the same b requests' token ids, prompt plus
+``--tokens`` generated tokens, with the speculative settings of configs/smollm2_spec.yaml. Both at batch 1
+and at the run's batch (prompts per step x samples)::
+
+    python benchmarks/studies/ngram_cost.py --seeds 0,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path)
+import numpy as np
+from bench_common import header
+from cost_table import timed_call
+
+REPO = Path(__file__).resolve().parents[2]
+REPS = 200  # proposer calls per cell: each is tens of microseconds
+
+
+def proposer(spec: dict, max_model_len: int, max_num_seqs: int):
+    """vLLM's ngram proposer with the config's settings (it reads only these fields)."""
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    keys = ("prompt_lookup_min", "prompt_lookup_max", "num_speculative_tokens")
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(**{k: spec[k] for k in keys}),
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+    return NgramProposer(cfg)
+
+
+def propose_s(ngram, sequences: list[list[int]], max_model_len: int) -> float:
+    """Median seconds of one ``batch_propose`` over ``sequences`` (prompt and generated ids)."""
+    b = len(sequences)
+    ids = np.zeros((b, max_model_len), dtype=np.int32)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = s
+    lengths = np.array([len(s) for s in sequences], dtype=np.int32)
+    times = []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        ngram.batch_propose(b, list(range(b)), lengths, ids, ngram.k)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--tokens", type=int, default=24, help="generated tokens a request (the run's mean: ~20-30)")
+    args = p.parse_args()
+    from transformers import AutoTokenizer
+
+    from rl_specdec.config import load_config
+    from rl_specdec.rollout import SamplingSettings
+    from rl_specdec.rollout.group import VllmGeneration
+    from rl_specdec.rollout.placement import stop_ray
+    from rl_specdec.tasks import encode_prompts, make_task
+
+    print(header())
+    base, spec = (load_config(REPO / f"configs/smollm2_{n}.yaml") for n in ("base", "spec"))
+    gen, ngram_spec = base.policy.generation, spec.policy.generation.vllm_kwargs["speculative_config"]
+    run_batch = base.grpo.num_prompts_per_step * base.grpo.num_generations_per_prompt
+    tokenizer = AutoTokenizer.from_pretrained(base.policy.model_name)
+    task = make_task(base.task.name, **base.task.kwargs)
+    prompts = encode_prompts(task, tokenizer, task.make_batch(seed=0, n=run_batch))
+    max_len = gen.vllm_kwargs["max_model_len"]
+    ngram = proposer(ngram_spec, max_len, run_batch)
+    engine = VllmGeneration(base.policy.model_name, gen, base.cluster, seed=base.seed)
+    rows = []
+    try:
+        timed_call(engine, None, None, prompts[:1], 4, 0)  # warm-up
+        for b in (1, run_batch):
+            seeds = [int(s) for s in args.seeds.split(",")]
+            steps = [dt / n for dt, n in (timed_call(engine, None, None, prompts[:b], args.tokens, s) for s in seeds)]
+            out = engine.generate(prompts[:b], SamplingSettings(max_tokens=args.tokens, seed=seeds[0], ignore_eos=True))
+            pass_s = propose_s(ngram, [p + ids for p, ids in zip(prompts[:b], out.token_ids)], max_len)
+            rows.append((b, statistics.median(steps), pass_s))
+    finally:
+        engine.shutdown()
+        stop_ray()
+    print("| batch | target step (ms) | ngram drafter pass (ms) | pass / step |\n|---|---|---|---|")
+    for b, step_s, pass_s in rows:
+        print(f"| {b} | {step_s * 1e3:.1f} | {pass_s * 1e3:.3f} | {pass_s / step_s:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
