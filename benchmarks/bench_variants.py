@@ -167,28 +167,34 @@ def family(name: str) -> str:
     return next((f for f in ("longtail", "wide", "smollm2") if name.startswith(f + " ")), "")
 
 
-# A wide-pair run's processes in a lockstep ring (measured, fp32): its engine 2.4-2.6 GB, its policy worker
-# 2.4-2.6 GB idle and 4.2-4.5 GB in its train step, its driver and checksummer 0.5 GB each, and its own Ray
-# instance's processes. Only the baton's holder trains. Rings of 3 and of 4 were killed on a 24 GiB machine.
-WIDE_IDLE_GIB, WIDE_TRAIN_GIB = 7.0, 2.0
+# A run's processes in a lockstep ring, per workload (GiB, measured, fp32): (alive while the others take their
+# turns, more in its own train step). Wide pair: its engine 2.4-2.6 GB, its policy worker 2.4-2.6 GB idle and
+# 4.2-4.5 GB training, its driver and checksummer 0.5 GB each, and its own Ray instance's processes; rings of 3
+# and of 4 were killed on a 24 GiB machine. The real model: its engine 4.9-6.0 GB (a 2.5 GiB KV cache), its
+# policy worker 4-5.5 GB, its checksummer 1.4 GB, its driver 0.9 GB; a ring of 2 was killed on 24 GiB.
+RING_GIB = {"wide": (7.0, 2.0), "smollm2": (12.0, 1.5)}
 RAY_KILL_FRACTION = 0.95  # Ray's memory monitor kills workers above this share of the machine's memory
+FAMILY_WORDS = {"wide": "the wide pair", "smollm2": "the real model"}
 
 
 def lockstep_memory_problem(names: list[str], total_gib: float | None = None) -> str | None:
     """Why a lockstep ring of ``names`` would not fit ``total_gib`` of memory (default: this machine's; every run
-    stays alive while the others take their turns), with the fix; None where it fits. Only the wide pair's runs
-    are counted: the toy's are small."""
+    stays alive while the others take their turns), with the fix; None where it fits. The toy's runs are small
+    and not counted."""
     if total_gib is None:
         total_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    wide = [n for n in names if family(n) == "wide"]
-    need = len(wide) * WIDE_IDLE_GIB + (WIDE_TRAIN_GIB if wide else 0.0)
+    big = [family(n) for n in names if family(n) in RING_GIB]
+    need = sum(RING_GIB[f][0] for f in big) + max((RING_GIB[f][1] for f in big), default=0.0)
     if need <= RAY_KILL_FRACTION * total_gib:
         return None
-    fits = max(1, int((RAY_KILL_FRACTION * total_gib - WIDE_TRAIN_GIB) // WIDE_IDLE_GIB))
+    f = max(set(big), key=big.count)
+    idle, train = RING_GIB[f]
+    fits = int((RAY_KILL_FRACTION * total_gib - train) // idle)
+    fix = f"Give at most {fits} {f} variants per invocation, or run" if fits >= 2 else "Run them"
     return (
-        f"--lockstep keeps every variant's runs alive at once: {len(wide)} runs of the wide pair need about "
+        f"--lockstep keeps every variant's runs alive at once: {big.count(f)} runs of {FAMILY_WORDS[f]} need about "
         f"{need:.0f} GiB, and Ray kills workers above {RAY_KILL_FRACTION:.0%} of this machine's {total_gib:.0f} GiB. "
-        f"Give at most {fits} wide variants per invocation (with 'wide base'), or run without --lockstep."
+        f"{fix} without --lockstep."
     )
 
 

@@ -145,3 +145,5 @@ def test_a_ring_that_does_not_fit_in_memory_is_refused_before_it_starts():
     assert bench_variants.lockstep_memory_problem(four[:2], total_gib=23.4) is None
     assert bench_variants.lockstep_memory_problem(four, total_gib=64) is None
     assert bench_variants.lockstep_memory_problem(["grpo_base", "grpo_spec", "grpo_spec controller"], 23.4) is None
+    real = bench_variants.lockstep_memory_problem(["smollm2 base", "smollm2 ngram"], total_gib=23.4)
+    assert real and "2 runs of the real model" in real and "Run them without --lockstep" in real, real

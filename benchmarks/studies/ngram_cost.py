@@ -5,9 +5,15 @@ of b task prompts (``benchmarks/cost_table.py``'s ``timed_call``: an ignore_eos 
 request, less one of 4 tokens, over its steps). The drafter pass: vLLM's own ``NgramProposer.batch_propose``
 (the numba n-gram match the engine runs on the CPU each step) on the same b requests' token ids, prompt plus
 ``--tokens`` generated tokens, with the speculative settings of configs/smollm2_spec.yaml. Both at batch 1
-and at the run's batch (prompts per step x samples)::
+and at the run's batch (prompts per step x samples).
 
-    python benchmarks/studies/ngram_cost.py --seeds 0,1
+Then what ngram buys in generation per batch size: the two configs' engines alive side by side, each call a
+batch of b task prompts sampled as a GRPO step samples them (temperature 1, up to ``max_new_tokens``, the
+round's seed), the engines' order alternating by round; the third engine runs vLLM's own schedule, k=3 while
+at most 16 requests run and none above. Sampled lengths differ between the engines, so the
+speed-up is pooled: generated tokens over seconds, summed over rounds::
+
+    python benchmarks/studies/ngram_cost.py --seeds 0,1 --rounds 3
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from bench_common import header
 from cost_table import timed_call
 
 REPO = Path(__file__).resolve().parents[2]
+# vLLM's own schedule: k=3 while at most 16 requests run, none above (where a step is compute-bound)
+TAIL_ONLY = (
+    "policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens_per_batch_size=[[1,16,3],[17,1024,0]]"
+)
 REPS = 200  # proposer calls per cell: each is tens of microseconds
 
 
@@ -56,10 +66,39 @@ def propose_s(ngram, sequences: list[list[int]], max_model_len: int) -> float:
     return statistics.median(times)
 
 
+def generation_table(engines: dict, prompts, sampling, batches, rounds: int) -> str:
+    """Pooled tokens/s of each engine per batch size, and each one's speed-up over the first (none)."""
+    from dataclasses import replace
+
+    done = {(name, b): [0, 0.0] for name in engines for b in batches}
+    for r in range(rounds):
+        for b in batches:
+            for name in list(engines)[:: 1 if r % 2 == 0 else -1]:
+                t0 = time.perf_counter()
+                out = engines[name].generate(prompts[:b], replace(sampling, seed=1000 * r))
+                done[name, b][1] += time.perf_counter() - t0
+                done[name, b][0] += sum(map(len, out.token_ids))
+    names = list(engines)
+    lines = [
+        "| batch | "
+        + " | ".join(f"{n} (tokens/s)" for n in names)
+        + " | "
+        + " | ".join(f"{n}: speed-up (pooled)" for n in names[1:])
+        + " |",
+        "|---" * (2 * len(names)) + "|",
+    ]
+    for b in batches:
+        rate = {n: done[n, b][0] / done[n, b][1] for n in names}
+        cells = [f"{rate[n]:.1f}" for n in names] + [f"{rate[n] / rate[names[0]]:.2f}x" for n in names[1:]]
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--tokens", type=int, default=24, help="generated tokens a request (the run's mean: ~20-30)")
+    p.add_argument("--rounds", type=int, default=3, help="sampled calls per batch size and engine")
     args = p.parse_args()
     from transformers import AutoTokenizer
 
@@ -78,7 +117,13 @@ def main() -> None:
     prompts = encode_prompts(task, tokenizer, task.make_batch(seed=0, n=run_batch))
     max_len = gen.vllm_kwargs["max_model_len"]
     ngram = proposer(ngram_spec, max_len, run_batch)
+    import ray
+
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)  # three engines on the same 2 cores
     engine = VllmGeneration(base.policy.model_name, gen, base.cluster, seed=base.seed)
+    spec_engine = VllmGeneration(spec.policy.model_name, spec.policy.generation, spec.cluster, seed=spec.seed)
+    tail = load_config(REPO / "configs/smollm2_spec.yaml", [TAIL_ONLY]).policy.generation
+    tail_engine = VllmGeneration(spec.policy.model_name, tail, spec.cluster, seed=spec.seed)
     rows = []
     try:
         timed_call(engine, None, None, prompts[:1], 4, 0)  # warm-up
@@ -88,12 +133,19 @@ def main() -> None:
             out = engine.generate(prompts[:b], SamplingSettings(max_tokens=args.tokens, seed=seeds[0], ignore_eos=True))
             pass_s = propose_s(ngram, [p + ids for p, ids in zip(prompts[:b], out.token_ids)], max_len)
             rows.append((b, statistics.median(steps), pass_s))
+        sampling = SamplingSettings.from_config(gen)
+        batches = (1, 8, run_batch)
+        engines = {"none": engine, "ngram k=3": spec_engine, "ngram k=3 at <= 16 requests": tail_engine}
+        table = generation_table(engines, prompts, sampling, batches, args.rounds)
     finally:
         engine.shutdown()
+        spec_engine.shutdown()
+        tail_engine.shutdown()
         stop_ray()
     print("| batch | target step (ms) | ngram drafter pass (ms) | pass / step |\n|---|---|---|---|")
     for b, step_s, pass_s in rows:
         print(f"| {b} | {step_s * 1e3:.1f} | {pass_s * 1e3:.3f} | {pass_s / step_s:.4f} |")
+    print(f"\nGeneration, {args.rounds} rounds of sampled calls, engines side by side:\n\n{table}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ function) lives in one module of this package, and nothing else does:
 ``platform``       the platform, and the fields read off request outputs
 ``worker``         the worker: model runner, drafter, weight reload, settings read back;
                    the async engine's CPU executor
-``cpu_sampler``    the CPU rejection-sampler fixes (probe-gated)
+``cpu_sampler``    CPU sampler fixes (probe-gated): rejection, seeded chunks
 ``scheduler``      the scheduler subclass with a settable batch-size -> k lookup
 ``model_runner``   the k=0 fast path: instance wrappers on the model runner, step records
 ``drafter_kv``     the drafter forward that catches its KV cache up
