@@ -9,6 +9,8 @@ downloaded, and neither time nor memory depends on the weights' values.
     python -m benchmarks gpu-torch                  # on a GPU: under 2 min on an H200 (results/gpu-torch)
     python -m benchmarks gpu-torch --report results/gpu-torch/gpu_torch.json   # anywhere: the tables, the model
     python -m benchmarks gpu-torch --smoke --out /tmp/gpu_smoke      # CPU: tiny shapes through the same code
+    python -m benchmarks gpu-torch --parts train --policy-shape smollm2-135m --seqs 64 --max-len 138 \
+        --prompt-len 74 --precisions fp32 bf16-mixed --micro-batch-sizes 8 64 --steps 3   # the real model's step
 
 *The train side* is rl_specdec's own ``PolicyWorker`` (started from a saved folder, so ``from_pretrained``,
 the frozen reference and AdamW are the real ones) on a batch of ``--seqs`` GRPO rollouts of up to
@@ -318,6 +320,12 @@ def parse_args(argv=None):
     p.add_argument("--report", default=None, help="a gpu_torch.json to print the tables of (no measuring)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, few cells: check the code path on a CPU")
     p.add_argument("--parts", default="train,decode")
+    p.add_argument(
+        "--policy-shape",
+        choices=["qwen3-1.7b", "smollm2-135m"],
+        default="qwen3-1.7b",
+        help="the train side's model: qwen3_1p7b_one_gpu.yaml's, or the real model of configs/smollm2_*.yaml",
+    )
     p.add_argument("--precisions", nargs="+", default=["bf16-mixed", "bf16"])
     p.add_argument("--micro-batch-sizes", nargs="+", type=int, default=[1, 2])
     p.add_argument("--seqs", type=int, default=32, help="rollouts in the train batch")
@@ -350,6 +358,8 @@ def main(argv=None) -> None:
     policy, target, drafter = (
         (SMOKE_TARGET, SMOKE_TARGET, SMOKE_DRAFTER) if args.smoke else (M.QWEN3_17B, M.QWEN3_8B, M.QWEN3_06B)
     )
+    if args.policy_shape == "smollm2-135m" and not args.smoke:
+        policy = M.SMOLLM2_135M
     out = dict(machine=machine(dev), args={k: v for k, v in vars(args).items() if k != "kernels"}, train=[], decode=[])
     out["shapes"] = {s.name: asdict(s) for s in (policy, target, drafter)}
     print(f"gpu_torch: {out['machine']}")

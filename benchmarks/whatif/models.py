@@ -65,6 +65,8 @@ QWEN3_8B = ModelConfig("Qwen3-8B", 36, 4096, 32, 8, 128, 12288, 151936, False, H
 QWEN3_32B = ModelConfig("Qwen3-32B", 64, 5120, 64, 8, 128, 25600, 151936, False, HF + "Qwen/Qwen3-32B")
 QWEN3_06B = ModelConfig("Qwen3-0.6B", 28, 1024, 16, 8, 128, 3072, 151936, True, HF + "Qwen/Qwen3-0.6B")
 QWEN3_17B = ModelConfig("Qwen3-1.7B", 28, 2048, 16, 8, 128, 6144, 151936, True, HF + "Qwen/Qwen3-1.7B")
+# the real model of configs/smollm2_*.yaml (its converted folder's config.json)
+SMOLLM2_135M = ModelConfig("SmolLM2-135M", 30, 576, 9, 3, 64, 1536, 49152, True, HF + "HuggingFaceTB/SmolLM2-135M")
 # EAGLE-3 head for Qwen3-8B (e.g. Tengyunw/qwen3_8b_eagle3, the one docs/speculative_decoding.md names): one
 # Llama-style layer of the target's width whose attention reads [embedding, hidden] (2h), an fc fusing three
 # target layers' hidden states (3h -> h), and an LM head over a reduced draft vocabulary (32,000: EAGLE-3's
