@@ -72,6 +72,7 @@ class PolicyWorker:
         self.keep_reference = keep_reference
         self.seed = seed
         self.tokenizer_source: str | None = None  # set by a load from a folder or hub id; not by from_module
+        self.tokenizer = None  # read from tokenizer_source at the first checkpoint
         self.rank, self.world_size = 0, 1
 
     def node_info(self) -> dict[str, Any]:
@@ -267,9 +268,11 @@ class PolicyWorker:
         tokenizer goes beside the model, so ``path/model`` loads, and serves, as the checkpoint it started from."""
         state.save(self.model, self.opt, path)
         if self.rank == 0 and self.tokenizer_source:
-            from transformers import AutoTokenizer
+            if self.tokenizer is None:  # read once: every checkpoint writes the same one
+                from transformers import AutoTokenizer
 
-            AutoTokenizer.from_pretrained(self.tokenizer_source).save_pretrained(f"{path}/model")
+                self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_source)
+            self.tokenizer.save_pretrained(f"{path}/model")
 
     def load_checkpoint(self, path: str) -> None:
         state.load(self.model, self.opt, path)
