@@ -1,12 +1,12 @@
 """The real model (SmolLM2-135M-Instruct, ``configs/smollm2_*.yaml``) in the ``grpo`` section: its variants and
 the learning table. One invocation, both configs, two seeds::
 
-    python -m benchmarks grpo --variants "smollm2 base;smollm2 ngram" --seeds 0,1 --steps 15 --no-lockstep
+    python -m benchmarks grpo --variants "smollm2 base;smollm2 ngram" --seeds 0,1 --steps 12 --no-lockstep
 
 (Two of its runs alive at once need more than 24 GiB, so they run one after the other, not in lockstep.)
 
 Each run validates greedily on the task's 200 held-out problems before training and every ``grpo.val_every``
-steps (the configs' 5). The section's speed table compares ``smollm2 ngram`` with ``smollm2 base``; the
+steps (the configs' 4). The section's speed table compares ``smollm2 ngram`` with ``smollm2 base``; the
 learning table (:func:`learning_table`) gives, per run, held-out accuracy at each validation, the gain from
 step 0 to the last, and the log-prob mismatch between trainer and engine (whose equality across the two
 configs is what "speculation is invisible to learning" means here).
