@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -68,8 +69,6 @@ def propose_s(ngram, sequences: list[list[int]], max_model_len: int) -> float:
 
 def generation_table(engines: dict, prompts, sampling, batches, rounds: int) -> str:
     """Pooled tokens/s of each engine per batch size, and each one's speed-up over the first (none)."""
-    from dataclasses import replace
-
     done = {(name, b): [0, 0.0] for name in engines for b in batches}
     for r in range(rounds):
         for b in batches:
@@ -120,27 +119,29 @@ def main() -> None:
     import ray
 
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)  # three engines on the same 2 cores
-    engine = VllmGeneration(base.policy.model_name, gen, base.cluster, seed=base.seed)
-    spec_engine = VllmGeneration(spec.policy.model_name, spec.policy.generation, spec.cluster, seed=spec.seed)
     tail = load_config(REPO / "configs/smollm2_spec.yaml", [TAIL_ONLY]).policy.generation
-    tail_engine = VllmGeneration(spec.policy.model_name, tail, spec.cluster, seed=spec.seed)
-    rows = []
+    settings = {
+        "none": (base, gen),
+        "ngram k=3": (spec, spec.policy.generation),
+        "ngram k=3 at <= 16 requests": (spec, tail),
+    }
+    engines, rows = {}, []
+    seeds = [int(s) for s in args.seeds.split(",")]
     try:
+        for name, (cfg, g) in settings.items():  # built inside the try: one that fails to start stops the others
+            engines[name] = VllmGeneration(cfg.policy.model_name, g, cfg.cluster, seed=cfg.seed)
+        engine = engines["none"]
         timed_call(engine, None, None, prompts[:1], 4, 0)  # warm-up
         for b in (1, run_batch):
-            seeds = [int(s) for s in args.seeds.split(",")]
             steps = [dt / n for dt, n in (timed_call(engine, None, None, prompts[:b], args.tokens, s) for s in seeds)]
             out = engine.generate(prompts[:b], SamplingSettings(max_tokens=args.tokens, seed=seeds[0], ignore_eos=True))
             pass_s = propose_s(ngram, [p + ids for p, ids in zip(prompts[:b], out.token_ids)], max_len)
             rows.append((b, statistics.median(steps), pass_s))
         sampling = SamplingSettings.from_config(gen)
-        batches = (1, 8, run_batch)
-        engines = {"none": engine, "ngram k=3": spec_engine, "ngram k=3 at <= 16 requests": tail_engine}
-        table = generation_table(engines, prompts, sampling, batches, args.rounds)
+        table = generation_table(engines, prompts, sampling, (1, 8, run_batch), args.rounds)
     finally:
-        engine.shutdown()
-        spec_engine.shutdown()
-        tail_engine.shutdown()
+        for e in engines.values():
+            e.shutdown()
         stop_ray()
     print("| batch | target step (ms) | ngram drafter pass (ms) | pass / step |\n|---|---|---|---|")
     for b, step_s, pass_s in rows:
