@@ -81,7 +81,7 @@ def test_every_switch_validates_on_any_machine(method, device):
     assert cfg.policy.generation.vllm_kwargs["speculative_config"]["method"] == method
 
 
-@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+@pytest.mark.parametrize("method", ["mtp"])
 def test_methods_the_cpu_backend_cannot_run_are_refused_where_the_run_starts(method, monkeypatch):
     from rl_specdec.grpo import run
 
@@ -97,8 +97,8 @@ def test_methods_the_cpu_backend_cannot_run_are_refused_where_the_run_starts(met
 
 
 def test_backend_check_names_the_key_the_reason_and_the_fix():
-    check_backend_runs({"method": "eagle3"}, on_cpu=False)
-    for method in ("draft_model", "ngram"):
+    check_backend_runs({"method": "mtp"}, on_cpu=False)
+    for method in ("draft_model", "eagle3", "ngram"):
         check_backend_runs({"method": method}, on_cpu=True)
     with pytest.raises(ConfigError, match=r"speculative_config.method='mtp' does not run on vLLM's CPU"):
         check_backend_runs({"method": "mtp"}, on_cpu=True)

@@ -14,10 +14,12 @@ TOY_MODELS = {
     "policy": ("digits", "policy"),
     "drafter": ("digits", "drafter"),
     "drafter-untrained": ("digits", "drafter_untrained"),
+    "eagle3": ("digits", "eagle3"),
     "longtail-policy": ("longtail", "policy"),
     "longtail-drafter": ("longtail", "drafter"),
     "wide-policy": ("wide", "policy"),
     "wide-drafter": ("wide", "drafter"),
+    "wide-eagle3": ("wide", "eagle3"),
 }
 
 

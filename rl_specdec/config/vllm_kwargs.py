@@ -229,9 +229,9 @@ def validate_speculative_config(
 
 
 # Methods rl_specdec runs on vLLM's CPU backend: the ones its losslessness tests start on CPU (suffix also
-# needs arctic-inference). The others have no CPU drafter here: EAGLE heads and MTP layers need a policy
-# trained with them, and are not tested on this backend.
-CPU_METHODS = ("draft_model", "ngram", "suffix")
+# needs arctic-inference). eagle (EAGLE-1) and MTP are not tested on this backend: MTP layers need a policy
+# trained with them, and the heads built here are EAGLE-3's.
+CPU_METHODS = ("draft_model", "eagle3", "ngram", "suffix")
 
 
 def check_backend_runs(

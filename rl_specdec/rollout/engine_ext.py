@@ -47,6 +47,19 @@ class RlSpecdecExtension(SpecControlExtension):
             cache[target] = weights.expected_tensors(vx.hf_config(self, target), target)
         return cache[target]
 
+    def _rl_specdec_problems(self, target: str, pairs, complete: bool) -> list[str]:
+        found = weights.problems(self._rl_specdec_expected(target), pairs, complete=complete)
+        if target == "drafter":
+            if "_rl_specdec_shared" not in self.__dict__:
+                self._rl_specdec_shared = vx.shared_with_target(self)
+            found += [
+                f"tensor {n!r} is the policy's own in this engine (vLLM shares it into the drafter): a drafter "
+                "refit must not send it, or it would overwrite the policy"
+                for n, _ in pairs
+                if n in self._rl_specdec_shared
+            ]
+        return found
+
     def rl_specdec_load_weights(self, packed: list[Any], target: str = "policy") -> dict[str, Any]:
         """Load HF-named weights (packed or ``(name, tensor)``) into the target model or the drafter.
 
@@ -57,7 +70,7 @@ class RlSpecdecExtension(SpecControlExtension):
         if vx.model(self, target) is None:
             return {"loaded": 0, "checksum": None, "problems": [NO_DRAFTER]}
         pairs = weights.unpack(packed)
-        found = weights.problems(self._rl_specdec_expected(target), pairs)
+        found = self._rl_specdec_problems(target, pairs, complete=True)
         if not found:
             vx.reload_whole(self, target, pairs)
         return {"loaded": 0 if found else len(pairs), "checksum": weights.checksum(pairs), "problems": found}
@@ -82,7 +95,7 @@ class RlSpecdecExtension(SpecControlExtension):
         """Load one bucket of a streamed refit; unknown or mis-shaped tensors are refused (none of the bucket loads)."""
         st = self._rl_specdec_stream
         pairs = weights.unpack(packed)
-        found = weights.problems(self._rl_specdec_expected(st["target"]), pairs, complete=False)
+        found = self._rl_specdec_problems(st["target"], pairs, complete=False)
         if not found:
             vx.load_layerwise(self, st["model"], pairs)
             st["names"].update(n for n, _ in pairs)

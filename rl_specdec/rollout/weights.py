@@ -86,6 +86,10 @@ def expected_tensors(hf_config, target: str = "policy") -> tuple[dict[str, tuple
     import torch
     from transformers import AutoModelForCausalLM
 
+    from rl_specdec.heads.eagle3 import expected_head_tensors, is_eagle3_config
+
+    if is_eagle3_config(hf_config):  # no transformers class: its names and shapes are rl_specdec's head's
+        return expected_head_tensors(hf_config), set()
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)

@@ -44,6 +44,25 @@ def model(worker, target: str):
     return worker.model_runner.get_model() if target == "policy" else drafter_model(worker)
 
 
+def shared_with_target(worker) -> set[str]:
+    """Names of the drafter's tensors that are the target's own storage (``model.`` dropped, as a refit names them).
+
+    vLLM gives an EAGLE head the target's embedding and LM head when its checkpoint lacks them or holds equal
+    copies; a drafter refit that names one would write into the policy. Found from the live data pointers, so it
+    holds whatever vLLM decided at load."""
+    drafter = drafter_model(worker)
+    if drafter is None:
+        return set()
+    params = list(worker.model_runner.get_model().parameters())
+    ids, ptrs = {id(p) for p in params}, {p.data_ptr() for p in params if p.numel()}  # repacked CPU weights are empty
+
+    def shared(p) -> bool:
+        return id(p) in ids or (p.numel() > 0 and p.data_ptr() in ptrs)
+
+    # remove_duplicate=False: a tied LM head is the embedding's parameter under a second name
+    return {n.removeprefix("model.") for n, p in drafter.named_parameters(remove_duplicate=False) if shared(p)}
+
+
 def hf_config(worker, target: str):
     """The Hugging Face config of the target or of the drafter."""
     c = worker.vllm_config

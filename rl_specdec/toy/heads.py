@@ -1,0 +1,132 @@
+"""EAGLE-3 heads for the embedded targets, built here with no download (``toy:eagle3``, ``toy:wide-eagle3``).
+
+A head is trained briefly at build time on its target's own outputs: the
+target's aux hidden states and next-token distributions on the pair's SFT
+data, computed once into a pool of batches (the wide target's forward is the
+dear part), then :func:`rl_specdec.heads.eagle3.head_loss` over three chain
+steps. The head is cached beside its pair (``<pair>/eagle3``), written
+atomically as the pairs are; its folder holds ``config.json`` and
+``model.safetensors`` in the format vLLM's Llama EAGLE-3 head reads.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rl_specdec.toy import build
+from rl_specdec.toy.build import ToyModels
+
+HEAD_BUILD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class HeadBuildConfig:
+    pool: int = 16  # batches of target features computed once
+    steps: int = 160  # head training steps over the pool
+    chain_steps: int = 3  # training-time-test depth: the k the head is trained for
+    lr: float = 3e-3
+    seed: int = 0
+    intermediate_size: int = 768  # the head's MLP (one of the narrow targets' layers)
+
+
+def target_features(target, ids, aux_ids):
+    """The target's aux states [B, T, n*H] and next-token log-probs [B, T, V] (detached) on ids [B, T], right-padded
+    (causal attention: no real position sees a pad)."""
+    import torch
+
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[i] for i in sorted(aux_ids)], -1)
+        return aux, torch.log_softmax(out.logits.float(), -1)
+
+
+def train_head(target, batches, cfg: HeadBuildConfig, log=print):
+    """A head for ``target`` (a transformers causal LM) trained on ``batches(rng)`` -> (ids [B, T], mask [B, T])."""
+    import torch
+
+    from rl_specdec.heads.eagle3 import Eagle3Head, HeadShape, head_loss
+
+    shape = HeadShape.for_target(target.config, cfg.intermediate_size)
+    torch.manual_seed(cfg.seed)
+    head = Eagle3Head(shape)
+    rng = random.Random(cfg.seed)
+    pool = []
+    for _ in range(cfg.pool):
+        ids, mask = batches(rng)  # mask [B, T]: 1 on response tokens
+        learn = torch.nn.functional.pad(mask[:, 1:], (0, 1))  # [B, T]: row t predicts a response token t+1
+        pool.append((ids, learn, *target_features(target, ids, shape.aux_layer_ids)))
+    embed = target.get_input_embeddings().weight.detach()
+    lm_head = target.get_output_embeddings().weight.detach()
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
+    for step in range(cfg.steps):
+        ids, mask, aux, logp = pool[step % len(pool)]
+        loss, agree = head_loss(head, aux, ids, logp, mask, embed, lm_head, cfg.chain_steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 60 == 0 or step == cfg.steps - 1:
+            log(f"  head step {step + 1}/{cfg.steps} loss {loss.item():.4f} top-1 agreement per chain step {agree}")
+    return head.eval()
+
+
+def _pair_batches(models: ToyModels):
+    """The SFT batches the pair was built on (its folder's family names it)."""
+    family = models.root.parent.name
+    if family == "toy":
+        from rl_specdec.toy.build import ToyBuildConfig, _sft_batch, build_tokenizer
+
+        tok, cfg = build_tokenizer(), ToyBuildConfig(**_build_fields(models, ToyBuildConfig))
+        return lambda rng: _sft_batch(rng, cfg, tok)
+    if family == "toy-wide":
+        from rl_specdec.toy.longtail import _sft_batch, build_longtail_tokenizer
+        from rl_specdec.toy.wide import WideToyConfig
+
+        tok, counter = build_longtail_tokenizer(), [0]
+        return lambda rng: _sft_batch(rng, WideToyConfig().source, tok, counter)
+    raise ValueError(f"no EAGLE-3 head recipe for the toy pair family {family!r} ({models.root})")
+
+
+def _build_fields(models: ToyModels, cls) -> dict:
+    from rl_specdec.toy.build import ModelShape
+
+    raw = json.loads((models.root / "build.json").read_text())
+    return {k: ModelShape(**v) if isinstance(v, dict) else v for k, v in raw.items() if k in cls.__dataclass_fields__}
+
+
+def build_head(models: ToyModels, cfg: HeadBuildConfig | None = None, log=print) -> Path:
+    """The pair's EAGLE-3 head folder, trained on its policy the first time (cached as ``<pair>/eagle3-<key>``)."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rl_specdec.heads.eagle3 import save_head
+
+    cfg = cfg or HeadBuildConfig()
+    out = models.root / f"eagle3-{build.config_key({'v': HEAD_BUILD_VERSION, **asdict(cfg)})}"
+    if (out / "DONE").exists():
+        return out
+    t0 = time.time()
+    log(f"[toy] building an EAGLE-3 head for {models.policy} (first run only)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        target = AutoModelForCausalLM.from_pretrained(models.policy, dtype=torch.float32).eval()
+        head = train_head(target, _pair_batches(models), cfg, log)
+    finally:
+        torch.set_num_threads(threads)
+
+    def write(tmp: Path) -> None:
+        save_head(head, tmp)
+        (tmp / "DONE").write_text(f"{time.time() - t0:.1f}s\n")
+
+    build.write_atomically(out, write)
+    log(f"[toy] EAGLE-3 head built in {time.time() - t0:.0f}s")
+    return out
