@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from rl_specdec.rollout import SamplingSettings
 from rl_specdec.rollout.engine_ext import RlSpecdecExtension
 from rl_specdec.rollout.group import AsyncVllmGeneration, VllmGeneration
+from rl_specdec.rollout.runtime_k.selfcheck import agreement
 from rl_specdec.rollout.serving.async_worker import AsyncVllmWorker
 from rl_specdec.rollout.worker import VllmWorker
 
 EXTENSION = f"{__name__}.DebugExtension"
+GREEDY = SamplingSettings(max_tokens=40, temperature=0.0)
 
 
 class Cycle:
@@ -78,3 +81,25 @@ class DebugVllmGeneration(VllmGeneration):
 
 class DebugAsyncVllmGeneration(AsyncVllmGeneration):
     worker_cls = DebugAsyncVllmWorker
+
+
+def debug(g, **kw) -> dict:
+    """The debug RPC on the group's first engine."""
+    return g.engine_rpc("rl_specdec_spec_debug", **kw)[0]
+
+
+def first_drafts(g, prompts, first_k: int, catch_up: bool = True, max_tokens: int = 1 << 30):
+    """Greedy run (``GREEDY``): k=first_k for 8 engine steps, then 3.
+
+    Returns (tokens, {prompt: {position: first draft}})."""
+    debug(
+        g, catch_up=catch_up, max_catch_up_tokens=max_tokens, record_drafts=True, plan=[(8, 3)] if first_k != 3 else []
+    )
+    g.set_speculation(first_k)
+    out = g.generate(prompts, GREEDY)
+    rec = debug(g, record_drafts=False, catch_up=True, max_catch_up_tokens=1 << 30, plan=[])["first_drafts"]
+    g.set_speculation(3)
+    return out.token_ids, {tuple(p): dict(d) for p, d in rec}
+
+
+__all__ = ["GREEDY", "agreement", "debug", "first_drafts"]

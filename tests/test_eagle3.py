@@ -2,9 +2,12 @@
 
 Two engines on the toy policy, started once for the module: ``eng_none`` (no
 speculation) and ``eng_head`` (``method: eagle3`` with the toy's head, built
-here, k=3). The head reads the policy's hidden states and shares its embedding
-and LM head inside the engine, so the refit tests check both that a new head
-changes drafting and that the policy's log-probs do not move.
+here, k=3, run-time k on). The head reads the policy's hidden states and shares
+its embedding and LM head inside the engine, so the refit tests check both that
+a new head changes drafting and that the policy's log-probs do not move. With
+run-time k a head's k=0 steps run through vLLM's own path (its first pass keeps
+the head's KV in step), so drafting resumes after a stretch at k=0 with the
+drafts it would have made.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import dist_samples, hf_greedy, hf_token_logprobs, module_engine, position_test
+from conftest import DIST_PROMPT, DIST_TOKENS, dist_samples, hf_greedy, hf_token_logprobs, module_engine, position_test
+from engine_debug import DebugVllmGeneration, agreement, debug, first_drafts
 from rl_specdec.errors import WeightIntegrityError
 from rl_specdec.metrics import compute_spec_decode_metrics
 from rl_specdec.rollout import SamplingSettings
@@ -21,6 +25,7 @@ pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 40
 GREEDY = SamplingSettings(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+CYCLE = [0, 3, 0, 0, 2, 1, 0, 3, 3, 0]  # k per engine step
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +42,8 @@ def eng_none(request, local_ray, toy):
 
 @pytest.fixture(scope="module")
 def eng_head(request, local_ray, toy, head):
-    return module_engine(request, toy, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    return module_engine(request, toy, spec, control={"mode": "fixed"}, group_cls=DebugVllmGeneration)
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +86,16 @@ def test_sampled_logprobs_with_a_head_match_transformers(eng_head, task_prompts,
     assert worst_logprob_error(eng_head, task_prompts, hf_policy, seed=11) < 1e-4
 
 
-def test_sampled_distribution_with_a_head_equals_plain(eng_none, eng_head, tokenizer):
-    plain = dist_samples(eng_none, tokenizer, seed=1000)
+@pytest.fixture(scope="module")
+def plain(eng_none, tokenizer):
+    return dist_samples(eng_none, tokenizer, seed=1000)
+
+
+def test_sampled_distribution_with_a_head_equals_plain(plain, eng_head, tokenizer):
     p, per_pos = position_test(plain, dist_samples(eng_head, tokenizer, seed=2000))
     assert p > 1e-3, f"the head changed the token distribution (adjusted p={p:.2e}; per position {per_pos})"
     # negative control: the same test, same sample size, rejects a policy sampled a little colder
-    from conftest import DIST_PROMPT, DIST_SAMPLES, DIST_TOKENS
+    from conftest import DIST_SAMPLES
 
     colder = eng_head.generate(
         [tokenizer.encode(DIST_PROMPT)] * DIST_SAMPLES,
@@ -123,3 +133,51 @@ def test_head_refit_refuses_the_policys_shared_tensors(eng_head, head, task_prom
         with pytest.raises(WeightIntegrityError, match=rf"{name}.*policy's own"):
             eng_head.update_weights(bad, target="drafter")
     assert eng_head.generate(task_prompts, GREEDY).token_ids == hf_reference
+
+
+# ---- run-time k with a head ------------------------------------------------------------------------
+
+
+def test_greedy_with_k_cycling_every_step_equals_transformers(eng_head, task_prompts, hf_reference):
+    debug(eng_head, record_steps=True)
+    debug(eng_head, cycle=CYCLE)
+    try:
+        out = eng_head.generate(task_prompts * 2, GREEDY)
+    finally:
+        steps = debug(eng_head, cycle=None)["steps"]
+    assert out.token_ids == hf_reference * 2
+    ks = {k for _, k, _ in steps}
+    assert {0, 1, 2, 3} <= ks, ks  # the cycle reached the engine: every k ran, k=0 included
+
+
+def test_temperature_one_with_k_changing_between_and_within_calls(eng_head, plain, tokenizer, hf_policy):
+    """400 samples from four calls: k=3, k=0, k cycling every step, k=2 then 3 within the call."""
+    prompt = tokenizer.encode(DIST_PROMPT)
+    samples, logprobs = [], []
+    try:
+        for i, (k, hooks) in enumerate([(3, {}), (0, {}), (3, {"cycle": CYCLE}), (2, {"plan": [(4, 3)]})]):
+            eng_head.set_speculation(k)
+            debug(eng_head, **hooks)
+            sampling = SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=2000 + 100 * i, logprobs=0)
+            out = eng_head.generate([prompt] * 100, sampling)
+            debug(eng_head, cycle=None, plan=[])
+            samples += out.token_ids
+            logprobs += list(zip(out.token_ids, out.logprobs))
+    finally:
+        eng_head.set_speculation(3)
+    p, per_pos = position_test(plain, samples)
+    assert p > 1e-3, f"k changed at run time changes what is sampled (adjusted p={p:.2e}; per position {per_pos})"
+    worst = max(
+        float(np.max(np.abs(np.array(lp) - np.array(hf_token_logprobs(hf_policy, prompt, ids)))))
+        for ids, lp in logprobs[::8]
+    )
+    assert worst < 1e-4, f"sampled log-probs differ from the policy's: {worst:.2e}"
+
+
+def test_the_head_drafts_after_a_stretch_at_k0_as_if_it_never_stopped(eng_head, task_prompts):
+    """8 engine steps at k=0, then k=3: every first draft equals the one a k=3 run makes at that position."""
+    ref_tokens, ref = first_drafts(eng_head, task_prompts, 3)
+    tokens, after = first_drafts(eng_head, task_prompts, 0)
+    assert tokens == ref_tokens
+    same, total = agreement(ref, after)
+    assert total >= 30 and same == total, (same, total)  # the head lands most drafts: few verify steps per prompt

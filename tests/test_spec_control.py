@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import DIST_PROMPT, DIST_TOKENS, dist_samples, draft_spec, hf_token_logprobs, module_engine, position_test
-from engine_debug import DebugAsyncVllmGeneration, DebugVllmGeneration
+from engine_debug import DebugAsyncVllmGeneration, DebugVllmGeneration, agreement, debug, first_drafts
 from rl_specdec.errors import ConfigError
 from rl_specdec.metrics import compute_spec_decode_metrics
 from rl_specdec.metrics.counters import DRAFT_TOKENS, DRAFTS
@@ -78,10 +78,6 @@ def none_greedy(eng_none, task_prompts):
 @pytest.fixture(scope="module")
 def plain_samples(eng_none, tokenizer):
     return dist_samples(eng_none, tokenizer, seed=1000)
-
-
-def debug(g, **kw) -> dict:
-    return g.engine_rpc("rl_specdec_spec_debug", **kw)[0]
 
 
 def drafts_per_draft(out) -> float:
@@ -201,24 +197,6 @@ def test_temperature_one_with_k_changing_between_and_within_calls(eng_fixed, pla
 # ---- the drafter catch-up -----------------------------------------------------------------------
 
 
-def _first_drafts(g, prompts, first_k: int, catch_up: bool = True, max_tokens: int = 1 << 30):
-    """Greedy run: k=first_k for 8 engine steps, then 3; returns (tokens, {prompt: {position: first draft}})."""
-    debug(
-        g, catch_up=catch_up, max_catch_up_tokens=max_tokens, record_drafts=True, plan=[(8, 3)] if first_k != 3 else []
-    )
-    g.set_speculation(first_k)
-    out = g.generate(prompts, GREEDY)
-    rec = debug(g, record_drafts=False, catch_up=True, max_catch_up_tokens=1 << 30, plan=[])["first_drafts"]
-    g.set_speculation(3)
-    return out.token_ids, {tuple(p): dict(d) for p, d in rec}
-
-
-def _agreement(ref: dict, test: dict) -> tuple[int, int]:
-    from rl_specdec.rollout.runtime_k.selfcheck import agreement
-
-    return agreement(ref, test)
-
-
 def test_catch_up_restores_the_drafter(eng_fixed, tokenizer):
     """After 8 plain steps the caught-up drafter proposes what a drafter that ran every step proposes.
 
@@ -228,18 +206,18 @@ def test_catch_up_restores_the_drafter(eng_fixed, tokenizer):
     from rl_specdec.tasks.sorting import SortingTask
 
     prompts = [tokenizer.encode(s.prompt) for s in SortingTask(min_len=14, max_len=24).make_batch(seed=7, n=32)]
-    ref_tokens, ref = _first_drafts(eng_fixed, prompts, 3)
+    ref_tokens, ref = first_drafts(eng_fixed, prompts, 3)
     runs = {
-        "catch-up": _first_drafts(eng_fixed, prompts, 0),
-        "catch-up in pieces of <= 7 tokens": _first_drafts(eng_fixed, prompts, 0, max_tokens=7),
-        "no catch-up": _first_drafts(eng_fixed, prompts, 0, catch_up=False),
+        "catch-up": first_drafts(eng_fixed, prompts, 0),
+        "catch-up in pieces of <= 7 tokens": first_drafts(eng_fixed, prompts, 0, max_tokens=7),
+        "no catch-up": first_drafts(eng_fixed, prompts, 0, catch_up=False),
     }
     for name, (tokens, _) in runs.items():
         assert tokens == ref_tokens, name
     for name in ("catch-up", "catch-up in pieces of <= 7 tokens"):
-        same, total = _agreement(ref, runs[name][1])
+        same, total = agreement(ref, runs[name][1])
         assert total >= 50 and same == total, (name, same, total)
-    same, total = _agreement(ref, runs["no catch-up"][1])
+    same, total = agreement(ref, runs["no catch-up"][1])
     assert total >= 50 and same < 0.95 * total, f"without catch-up the drafts should differ: {same}/{total}"
 
 

@@ -42,13 +42,16 @@ class CanaryConfig:
 
 @dataclass
 class SpeculationControlConfig:
-    """k chosen while the engine runs: see rl_specdec.rollout.runtime_k.engine_args (draft_model only)."""
+    """k chosen while the engine runs: see rl_specdec.rollout.runtime_k.engine_args (draft_model and eagle3)."""
 
     # off (vLLM's own k or schedule) | fixed (k settable at run time) | adaptive (the controller) |
-    # auto (adaptive where run-time k can run: draft_model, a UniProc executor, no async scheduling; else off)
+    # auto (adaptive where run-time k can run: draft_model or eagle3, a UniProc executor, no async scheduling;
+    # else off)
     mode: str = "off"
     k_max: Optional[int] = None  # the most k may be; default: speculative_config.num_speculative_tokens
-    k0_fast_path: bool = True  # k=0 steps skip the drafter (catch-up later); false: vLLM's own path (slower, correct)
+    # k=0 steps skip the drafter (caught up later); false: vLLM's own path (slower, correct). null: true for
+    # draft_model, false for eagle3 (a head needs the hidden states of every step, which a skipped step does not keep)
+    k0_fast_path: Optional[bool] = None
     # a concurrency threshold (fixed, adaptive): draft only while fewer requests than this run, k=0 from there up
     # (through the fast path); null: no threshold. With it, auto runs this rule instead of the controller.
     draft_below: Optional[int] = None
@@ -62,6 +65,10 @@ class SpeculationControlConfig:
     min_gain: float = 0.1  # a k>0 must be measured this much faster than k=0 in its bucket (adaptive)
     memory_steps: int = 200  # the step-cost model forgets with this horizon (steps)
     acceptance_memory: int = 2000  # the acceptance estimate forgets with this horizon (drafts)
+
+    def fast_path_for(self, method: str | None) -> bool:
+        """``k0_fast_path``, its null resolved for ``method``."""
+        return self.k0_fast_path if self.k0_fast_path is not None else method != "eagle3"
 
 
 @dataclass

@@ -96,7 +96,8 @@ def validate_drafter_training(gen: GenerationConfig) -> None:
 
 
 def validate_speculation_control(gen: GenerationConfig) -> None:
-    """Run-time k: its numbers, and an engine it can run in (draft_model, a UniProc executor, no async scheduling).
+    """Run-time k: its numbers, and an engine it can run in (draft_model or eagle3, a UniProc executor, no async
+    scheduling); ``k0_fast_path`` null resolves to true but for eagle3.
 
     ``auto`` resolves here: where run-time k can run, ``fixed`` when ``draft_below`` is set (a rule: nothing to
     measure) and ``adaptive`` otherwise; elsewhere ``off`` (vLLM's own k), so that switching speculation off or to
@@ -109,6 +110,7 @@ def validate_speculation_control(gen: GenerationConfig) -> None:
     problem = _control_engine_problem(gen) if c.mode != "off" else None
     if c.mode == "auto":
         c.mode = "off" if problem else "fixed" if c.draft_below is not None else "adaptive"
+    c.k0_fast_path = c.fast_path_for((gen.vllm_kwargs.get("speculative_config") or {}).get("method"))
     if c.mode == "off":
         return
     if problem:
@@ -180,6 +182,9 @@ def _check_control_numbers(c: SpeculationControlConfig, k: int) -> None:
             raise ConfigError(f"{key}.{name}={getattr(c, name)} must be >= {low}.")
 
 
+RUNTIME_K_METHODS = ("draft_model", "eagle3")  # eagle3 with k=0 through vLLM's path
+
+
 def _control_engine_problem(gen: GenerationConfig) -> str | None:
     """Why run-time k cannot run in this engine (the error, with its fix), or None."""
     kw, mode, key = gen.vllm_kwargs, gen.speculation_control.mode, CONTROL_KEY
@@ -189,10 +194,17 @@ def _control_engine_problem(gen: GenerationConfig) -> str | None:
             f"{key}.mode={mode} needs speculation: set {KEY}.vllm_kwargs.speculative_config (method: draft_model), "
             "or mode=off."
         )
-    if spec.get("method") != "draft_model":
+    method = spec.get("method")
+    if method not in RUNTIME_K_METHODS:
         return (
-            f"{key}.mode={mode} with speculative_config.method={spec.get('method')!r}: run-time k, its k=0 fast path "
-            "and the drafter catch-up are built for draft_model only. Use method: draft_model, or mode=off."
+            f"{key}.mode={mode} with speculative_config.method={method!r}: run-time k is built for "
+            f"{' and '.join(RUNTIME_K_METHODS)} only. Use one of them, or mode=off."
+        )
+    if method == "eagle3" and gen.speculation_control.k0_fast_path:
+        return (
+            f"{key}.k0_fast_path=true with method eagle3: a head drafts from the policy's hidden states of the step "
+            "before, which a fast-path step does not keep, so its k=0 steps run through vLLM's own path. Set "
+            f"{key}.k0_fast_path=false (or remove it)."
         )
     if kw.get("async_scheduling"):
         return (

@@ -35,11 +35,12 @@ class SpecControl:
         self.k_max = self.sched.spec_k_max
         self.initial = list(self.sched.dynamic_sd_lookup)
         runner = vx.model_runner(worker)
-        if config.k0_fast_path:
+        fast = config.fast_path_for(vx.speculative_method(worker))
+        if fast:
             problems = probe(runner)
             if problems:
                 raise RuntimeError(self.refusal("its static probe found: " + "; ".join(problems)))
-        self.fp = FastPath(runner, plain_steps=config.k0_fast_path)
+        self.fp = FastPath(runner, plain_steps=fast)
         self.fp.install()
         self.hooks = SelfCheckHooks(self.fp, self.set_uniform)
         self.fp.listeners.append(self.hooks)
