@@ -295,7 +295,7 @@ def test_defaults_inheritance_and_interpolation(tmp_path):
                 "policy.generation.vllm_kwargs.speculative_config.model=null",
                 "policy.generation.vllm_kwargs.speculative_config.draft_sample_method=null",
             ],
-            "draft_model only",
+            "draft_model and eagle3 only",
         ),
         (
             ["policy.generation.speculation_control.mode=fixed", "policy.generation.vllm_kwargs.async_scheduling=true"],

@@ -95,3 +95,17 @@ def test_the_controller_starts_from_a_schedule_when_one_is_set():
         start(f"{ctl}.start=first")
     with pytest.raises(ConfigError, match=r"speculation_control\.start=schedule applies to the controller only"):
         load_config(SPEC, [f"{ctl}.start=schedule"], resolve_models=False)  # the default's threshold: fixed
+
+
+def test_eagle3_runs_run_time_k_with_k0_through_vllms_path():
+    """A head's k=0 steps take vLLM's own path (its first pass keeps the head's KV): null resolves to that per
+    method, and asking for the fast path with eagle3 names the key and the fix."""
+    s, c = "policy.generation.vllm_kwargs.speculative_config", "policy.generation.speculation_control"
+    head = [f"{s}.method=eagle3", f"{s}.model=toy:eagle3"]
+    ctl = load_config(SPEC, head, resolve_models=False).policy.generation.speculation_control
+    assert (ctl.mode, ctl.k0_fast_path) == ("fixed", False)
+    assert load_config(SPEC, resolve_models=False).policy.generation.speculation_control.k0_fast_path is True
+    with pytest.raises(ConfigError, match=rf"{c}.k0_fast_path=true with method eagle3.*k0_fast_path=false"):
+        load_config(SPEC, [*head, f"{c}.mode=fixed", f"{c}.k0_fast_path=true"], resolve_models=False)
+    with pytest.raises(ConfigError, match=r"run-time k is built for draft_model and eagle3 only"):
+        load_config(SPEC, [f"{s}.method=ngram", f"{s}.model=null", f"{c}.mode=fixed"], resolve_models=False)

@@ -17,7 +17,8 @@ class ClusterConfig:
 
 @dataclass
 class DrafterTrainingConfig:
-    """Online distillation of a draft_model drafter towards the policy (rl_specdec.drafter)."""
+    """Online training of the drafter towards the policy: a draft_model by distillation (rl_specdec.drafter), an
+    eagle3 head from the policy's own hidden states (rl_specdec.policy.head)."""
 
     enabled: bool = False
     learning_rate: float = 1e-3
@@ -28,7 +29,10 @@ class DrafterTrainingConfig:
     # train on at most this many of a step's rollouts (a random subset, seeded by the step); 0: all.
     # The drafter's training competes with the policy's for the same cores on CPU: this bounds its cost.
     max_sequences: int = 0
-    overlap: bool = True  # train in the drafter's own actor while the policy updates
+    overlap: bool = True  # train in the drafter's own actor while the policy updates (draft_model)
+    # eagle3: the head trains in the policy workers, on the update's forward (its hidden states and log-probs),
+    # one head step per update; chain_steps drafting steps per position (training-time test: the k it learns)
+    chain_steps: int = 3
 
 
 @dataclass

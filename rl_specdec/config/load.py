@@ -215,6 +215,19 @@ def resolve_model_paths(cfg: RunConfig) -> None:
     if spec and spec.get("model"):
         spec["model"] = _resolve_one(spec["model"], DRAFTER_KEY, toy_paths)
     check_drafter_vocabulary(spec, cfg.policy.model_name)
+    if spec and spec.get("method") == "eagle3" and cfg.policy.generation.drafter_training.enabled:
+        _check_trainable_head(spec["model"])
+
+
+def _check_trainable_head(folder: str) -> None:
+    from rl_specdec.heads.eagle3 import is_trainable_head
+
+    if os.path.isdir(folder) and not is_trainable_head(folder):
+        raise ConfigError(
+            f"{DRAFTER_KEY}={folder!r} with policy.generation.drafter_training.enabled=true: online training needs an "
+            "EAGLE-3 head rl_specdec wrote (its config.json has 'rl_specdec_head'): use toy:eagle3 or "
+            "toy:wide-eagle3, or set drafter_training.enabled=false to serve this head frozen."
+        )
 
 
 def check_runs_here(cfg: RunConfig) -> None:

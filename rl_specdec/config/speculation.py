@@ -34,8 +34,6 @@ NOT_TRAINABLE = {
     "suffix": "proposes from a suffix tree of past outputs: there is no drafter model to train",
     "eagle": "trains on the target's hidden states, which vLLM's rollouts do not return; refit a head trained "
     "elsewhere",
-    "eagle3": "trains on the target's hidden states, which vLLM's rollouts do not return; refit a head trained "
-    "elsewhere",
     "mtp": "its heads are part of the policy checkpoint and are refit with the policy",
 }
 
@@ -87,12 +85,14 @@ def validate_drafter_training(gen: GenerationConfig) -> None:
             f"{KEY}.drafter_training.enabled=true needs speculation: set {KEY}.vllm_kwargs.speculative_config "
             "(method: draft_model)"
         )
-    if method != "draft_model":
-        why = NOT_TRAINABLE.get(method, "is not a draft_model drafter")
+    if method not in ("draft_model", "eagle3"):
+        why = NOT_TRAINABLE.get(method, "is not a draft_model drafter nor an EAGLE-3 head")
         raise ConfigError(
             f"{KEY}.drafter_training.enabled=true with speculative_config.method={method!r}: {method} {why}. "
-            f"Online drafter training needs method: draft_model; set {KEY}.drafter_training.enabled=false for {method}."
+            f"Online drafter training needs method: draft_model or eagle3; set {KEY}.drafter_training.enabled=false "
+            f"for {method}."
         )
+    _positive(f"{KEY}.drafter_training.chain_steps", d.chain_steps)
 
 
 def validate_speculation_control(gen: GenerationConfig) -> None:

@@ -28,6 +28,7 @@ from rl_specdec.metrics.logger import Timer
 from rl_specdec.rollout import GenerationOutput, RolloutEngine
 
 logger = logging.getLogger(__name__)
+HEAD_STEP = "head"  # the pending batch of a step whose head learns inside the policy's update
 
 
 def drafter_subset(n: int, max_sequences: int, step: int) -> list[int]:
@@ -36,6 +37,36 @@ def drafter_subset(n: int, max_sequences: int, step: int) -> list[int]:
     if max_sequences <= 0 or max_sequences >= n:
         return list(range(n))
     return sorted(random.Random(step).sample(range(n), max_sequences))
+
+
+class PolicyHead:
+    """The trainer :class:`DrafterUpkeep` drives, for an EAGLE-3 head that learns inside the policy's update.
+
+    Nothing to start or to train here: the policy workers train the head on the update's forward
+    (rl_specdec.policy.head) and keep it in the policy's checkpoints."""
+
+    def __init__(self, policy):
+        self.policy, self.version = policy, 0.0
+
+    def train(self, batch) -> None:
+        pass  # the policy's update trained it
+
+    def result(self) -> dict[str, float]:
+        r = self.policy.head_result()
+        fresh, self.version = r.get("version", 0.0) > self.version, r.get("version", self.version)
+        return r if fresh else {}
+
+    def state_dict_for_refit(self):
+        return self.policy.head_state_dict_for_refit()
+
+    def save_checkpoint(self, path: str) -> None:
+        pass  # in the policy's checkpoint
+
+    def load_checkpoint(self, path: str) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
 
 
 class DrafterUpkeep:
@@ -48,12 +79,14 @@ class DrafterUpkeep:
         self._batch = None
 
     @classmethod
-    def create(cls, cfg: RunConfig, on_gpu: bool) -> "DrafterUpkeep":
+    def create(cls, cfg: RunConfig, on_gpu: bool, policy=None) -> "DrafterUpkeep":
         trainer = None
         if cfg.policy.generation.drafter_training.enabled:
             from rl_specdec.drafter import RayDrafter
 
             spec = cfg.policy.generation.vllm_kwargs["speculative_config"]
+            if spec["method"] == "eagle3":
+                return cls(cfg, PolicyHead(policy))
             trainer = RayDrafter(
                 spec["model"],
                 cfg.policy.generation.drafter_training,
@@ -98,7 +131,9 @@ class DrafterUpkeep:
         return {"spec_decode/canary": 1.0}
 
     def after_generation(self, step: int, prompt_ids: list[list[int]], out: GenerationOutput, pad_id: int) -> None:
-        if self.trains_at(step):
+        if self.trains_at(step) and isinstance(self.trainer, PolicyHead):
+            self._batch = HEAD_STEP  # it learns from the policy's update, not from the rollouts' log-probs
+        elif self.trains_at(step):
             from rl_specdec.drafter import distill_batch
 
             idx = drafter_subset(len(prompt_ids), self.training.max_sequences, step)
@@ -121,13 +156,13 @@ class DrafterUpkeep:
                 self.trainer.train(self._batch)
             result = self.trainer.result()
         self._batch = None
+        if not result:  # a head whose update did not step (a schedule restored out of phase): nothing new
+            return {}
         if generation is not None:
             with timer("drafter_refit"):
                 generation.update_weights(self.trainer.state_dict_for_refit(), target="drafter")
         return {
-            "drafter/loss": result["loss"],
-            "drafter/kl": result["kl"],
-            "drafter/version": result["version"],
+            **{f"drafter/{k}": v for k, v in result.items() if k != "time_s"},
             "timing/drafter_train": result["time_s"],
         }
 
@@ -142,7 +177,7 @@ class DrafterUpkeep:
             self.trainer.save_checkpoint(str(path / "drafter"))
 
     def load(self, path: Path) -> None:
-        if self.trainer is None:
+        if self.trainer is None or isinstance(self.trainer, PolicyHead):  # a head comes back with the policy
             return
         if (path / "drafter").is_dir():
             self.trainer.load_checkpoint(str(path / "drafter"))

@@ -129,7 +129,7 @@ def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface, Draf
     generation = VllmGeneration(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
     try:
         policy = PolicyGroup(cfg.policy, keep_reference=cfg.grpo.kl_coef > 0 or cfg.grpo.log_kl, seed=cfg.seed)
-        drafter = DrafterUpkeep.create(cfg, cluster_has_gpus())
+        drafter = DrafterUpkeep.create(cfg, cluster_has_gpus(), policy)
     except BaseException:
         generation.shutdown()
         raise

@@ -109,7 +109,14 @@ class HeadShape:
 
     @classmethod
     def read(cls, folder: str | Path) -> HeadShape:
-        raw = json.loads((Path(folder) / "config.json").read_text())["rl_specdec_head"]
+        path = Path(folder) / "config.json"
+        raw = json.loads(path.read_text()).get("rl_specdec_head") if path.is_file() else None
+        if raw is None:
+            raise ValueError(
+                f"{folder} is not an EAGLE-3 head rl_specdec can train: its config.json has no 'rl_specdec_head' "
+                "entry. Train a head built here (toy:eagle3, toy:wide-eagle3, or one saved with "
+                "rl_specdec.heads.eagle3.save_head), or set drafter_training.enabled=false to serve this one frozen."
+            )
         return cls(**{**raw, "aux_layer_ids": tuple(raw["aux_layer_ids"])})
 
 
@@ -121,6 +128,12 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     if num_layers < 4:
         raise ValueError(f"an EAGLE-3 head needs a target with at least 4 layers, not {num_layers}")
     return (1, num_layers // 2, num_layers - 1)
+
+
+def is_trainable_head(folder: str | Path) -> bool:
+    """A head folder this package wrote (its own weights only, in the shape it trains)."""
+    path = Path(folder) / "config.json"
+    return path.is_file() and "rl_specdec_head" in json.loads(path.read_text())
 
 
 def is_eagle3_config(config) -> bool:

@@ -234,6 +234,14 @@ class PolicyGroup:
             for ref in gen:
                 self._get([ref], [rank])
 
+    def head_result(self) -> dict[str, float]:
+        """The EAGLE-3 head's last step (rank 0's shard; {} without a head or before its first step)."""
+        return self._get([self.workers[0].head_result.remote()], [0])[0]
+
+    def head_state_dict_for_refit(self):
+        """The head's tensors (rank 0: the head is replicated, never sharded); None without a head."""
+        return self._get([self.workers[0].head_state_dict_for_refit.remote()], [0])[0]
+
     def save_checkpoint(self, path: str) -> None:
         """Rank 0 writes after the gathers: a failed write (a full disk) raises its error and the group goes on."""
         self._settle()

@@ -15,6 +15,7 @@ import functools
 import math
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -38,17 +39,26 @@ if TYPE_CHECKING:
 
 
 def token_logprobs_and_entropy(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool = False, compute=precision.plain
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    with_entropy: bool = False,
+    compute=precision.plain,
+    features: Callable | None = None,
 ):
     """Log-prob of each next token [N, T-1] (and the policy's entropy there, no grad).
 
     The forward runs under ``compute(T)`` (:func:`rl_specdec.policy.precision.compute`: bf16
     autocast for bf16-mixed); the log-softmax is always float32, whatever dtype the logits come in.
+    ``features(hidden_states, logp_all)``, if given, sees the forward's hidden states and log-probs (a head
+    learns from them).
     """
     with compute(input_ids.shape[1]):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    logits = logits[:, :-1].float()  # [N, T-1, V]
+        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=features is not None)
+    logits = out.logits[:, :-1].float()  # [N, T-1, V]
     logp_all = F.log_softmax(logits, dim=-1)  # [N, T-1, V]
+    if features is not None:
+        features(out.hidden_states, logp_all)
     logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [N, T-1]
     if not with_entropy:
         return logp, None
@@ -117,6 +127,7 @@ class PolicyWorker:
         # AdamW's state takes the parameters' dtype
         adamw = functools.partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self._attach(self._load(master), adamw, functools.partial(self._load, frozen) if self.keep_reference else None)
+        self.head = trained_head(cfg, self.device, self.refit_dtype)
 
     def _load(self, dtype: str) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -143,6 +154,7 @@ class PolicyWorker:
         self = cls(config)
         self.device = next(model.parameters()).device
         self._attach(model, lambda _params: optimizer, load_reference=None)
+        self.head = None
         return self
 
     def _attach(
@@ -224,10 +236,19 @@ class PolicyWorker:
         sums: dict[str, float] = {"entropy": 0.0, "num_tokens": float(batch["loss_mask"].sum())}
         maxes: dict[str, float] = {}
         last = math.ceil(batch["input_ids"].shape[0] / self.config.micro_batch_size) - 1
+        head_on = self.head is not None and self.head.due()
+        if head_on:
+            self.head.begin(self.model)
         for i, (_, mb) in enumerate(self._micro_batches(batch)):
             with grad_sync(self.train_model, enabled=i == last):
+                learn = functools.partial(self.head.learn, mb=mb) if head_on else None
                 logp, entropy = token_logprobs_and_entropy(
-                    self.train_model, mb["input_ids"], mb["attention_mask"], with_entropy=True, compute=self.compute
+                    self.train_model,
+                    mb["input_ids"],
+                    mb["attention_mask"],
+                    with_entropy=True,
+                    compute=self.compute,
+                    features=learn,
                 )
                 ref_logp = None
                 if self.ref is not None:
@@ -246,6 +267,8 @@ class PolicyWorker:
         sums, maxes = reduce_metrics(sums, maxes, self.device)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         self.opt.step()
+        if self.head is not None:
+            self.head.end(trained=head_on)
         ntok = sums.pop("num_tokens")
         out = {**sums, **maxes}  # the loss function's metrics are already batch-normalised sums
         out["entropy"] = sums["entropy"] / max(ntok, 1.0)
@@ -267,6 +290,8 @@ class PolicyWorker:
         The master weights and AdamW state as they are kept (float32 under fp32 and bf16-mixed). The policy's
         tokenizer goes beside the model, so ``path/model`` loads, and serves, as the checkpoint it started from."""
         state.save(self.model, self.opt, path)
+        if self.rank == 0 and self.head is not None:
+            self.head.save(Path(path) / "head")
         if self.rank == 0 and self.tokenizer_source:
             if self.tokenizer is None:  # read once: every checkpoint writes the same one
                 from transformers import AutoTokenizer
@@ -276,3 +301,23 @@ class PolicyWorker:
 
     def load_checkpoint(self, path: str) -> None:
         state.load(self.model, self.opt, path)
+        if self.head is not None and (Path(path) / "head").is_dir():  # else: the configured head (a warning upstream)
+            self.head.load(Path(path) / "head")
+
+    # ---- an EAGLE-3 head trained beside the policy (rl_specdec.policy.head) --------------------
+    def head_result(self) -> dict[str, float]:
+        """The last head step's metrics on this worker's shard ({} before the first)."""
+        return dict(self.head.result) if self.head is not None else {}
+
+    def head_state_dict_for_refit(self) -> dict[str, torch.Tensor] | None:
+        return self.head.state_dict_for_refit() if self.head is not None else None
+
+
+def trained_head(cfg: PolicyConfig, device: torch.device, refit_dtype: torch.dtype):
+    """The head this worker trains: drafter_training on an eagle3 engine; else None."""
+    spec = cfg.generation.vllm_kwargs.get("speculative_config") or {}
+    if not (cfg.generation.drafter_training.enabled and spec.get("method") == "eagle3"):
+        return None
+    from rl_specdec.policy.head import HeadTrainer
+
+    return HeadTrainer(spec["model"], cfg.generation.drafter_training, device, refit_dtype)
