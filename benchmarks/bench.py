@@ -185,17 +185,17 @@ def grpo_extras(b: Bench, stats: dict, per_seed: dict, runs: dict) -> None:
 
 def section_staleness(b: Bench) -> None:
     args, series = b.args, {}
-    for name, (config, overrides) in drafter_life.RUNS.items():
+    head = args.drafter == "eagle3"
+    for name, (config, overrides) in (drafter_life.HEAD_RUNS if head else drafter_life.RUNS).items():
         n_steps = args.cold_steps if name == "cold start" else args.staleness_steps
         if args.quick:
             n_steps = b.steps
+        run = f"{'head' if head else 'drafter'} {name}"
         if args.report_only:
-            series[name] = load_rows(run_dir(b.out, f"drafter {name}", b.seeds[0]))
+            series[name] = load_rows(run_dir(b.out, run, b.seeds[0]))
         else:
-            log(f"[staleness] drafter {name}: {n_steps} steps")
-            series[name] = run_grpo(
-                f"drafter {name}", config, overrides, n_steps, b.out, args.quick, b.seeds[0], args.resume
-            )
+            log(f"[staleness] {run}: {n_steps} steps")
+            series[name] = run_grpo(run, config, overrides, n_steps, b.out, args.quick, b.seeds[0], args.resume)
     b.results["staleness"] = series
     drafter_life.plot(series, b.out / "drafter_life.png", rep._plt())
     rep.plot_staleness(series["frozen"], b.out / "staleness.png")

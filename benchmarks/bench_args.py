@@ -109,6 +109,12 @@ def parser(description: str, section: str | None = None) -> argparse.ArgumentPar
         help="length of the frozen and online drafter runs (--quick: --steps)",
     )
     p.add_argument("--cold-steps", type=int, default=50, help="length of the cold-start drafter run (--quick: --steps)")
+    p.add_argument(
+        "--drafter",
+        choices=("draft_model", "eagle3"),
+        default="draft_model",
+        help="the staleness section's drafter: the toy draft model, or an EAGLE-3 head (toy:eagle3)",
+    )
     p.add_argument("--peer-steps", type=int, default=None, help=f"TRL steps (default: --steps; --quick {QUICK_STEPS})")
     p.add_argument(
         "--set",

@@ -14,7 +14,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 SPEC = "policy.generation.vllm_kwargs.speculative_config"
 CONTROL = "policy.generation.speculation_control"
+DRAFTER = "policy.generation.drafter_training"
 
+
+WIDE_HEAD = [f"{SPEC}.method=eagle3", f"{SPEC}.model=toy:wide-eagle3", f"{SPEC}.num_speculative_tokens=5"]
 
 # name -> (config, overrides). Every variant of the default run differs from
 # grpo_spec.yaml / grpo_base.yaml only in these keys.
@@ -104,6 +107,10 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         "configs/grpo_spec_wide.yaml",
         [f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,2,5],[3,4,4],[5,16,2],[17,1024,0]]"],
     ),
+    # an EAGLE-3 head for the wide target (toy:wide-eagle3, trained at build), the controller choosing k in 0..5
+    # (k=0 through vLLM's path); frozen, and trained online from the policy's update
+    "wide eagle3 frozen": ("configs/grpo_spec_wide.yaml", WIDE_HEAD),
+    "wide eagle3 online": ("configs/grpo_spec_wide.yaml", [*WIDE_HEAD, f"{DRAFTER}.enabled=true"]),
     "ngram k=3": (
         "configs/grpo_spec.yaml",
         [
@@ -150,7 +157,7 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
 QUICK_VARIANTS = ["grpo_base", "grpo_spec"]  # --quick: the shipped default against its baseline
 TRAINER_VARIANTS = {"grpo_spec policy 2x"}  # change the trainer, not the rollouts: kept out of the speculation verdicts
 # the drafter trains beside the policy on the same cores: their train phase differs by design, not by chance
-DRAFTER_VARIANTS = {"grpo_spec drafter online", "grpo_spec drafter light"}
+DRAFTER_VARIANTS = {"grpo_spec drafter online", "grpo_spec drafter light", "wide eagle3 online"}
 # another precision changes the train phase and the rollouts: compared with their own baseline, kept out of the verdicts
 PRECISION_VARIANTS = set(precision_runs.VARIANTS)
 # overlap changes when each phase runs: compared within its pair, kept out of the pooling and the verdicts

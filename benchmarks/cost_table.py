@@ -27,6 +27,10 @@ as in the GRPO configs. Writes ``cost_table_<pair>.json`` and ``.md`` to ``--out
 
     python -m benchmarks cost-table --pair wide --seeds 0,1     # or python benchmarks/cost_table.py ...
     python -m benchmarks cost-table --pair toy --seeds 0,1
+    python -m benchmarks cost-table --pair wide --seeds 0,1 --drafter eagle3   # cost_table_wide_eagle3.*
+
+With ``--drafter eagle3`` the speculative engine drafts with the pair's EAGLE-3 head; its k=0 steps run
+through vLLM's own path (the head's first pass keeps its KV in step), so k=0 costs that pass.
 """
 
 from __future__ import annotations
@@ -71,19 +75,23 @@ def pair_prompts(pair: str, tokenizer, n: int, seed: int) -> list[list[int]]:
     return [tokenizer.encode(s.prompt) for s in task.make_batch(seed=seed, n=n)]
 
 
-def start(models, pair: str, speculate: bool, model=None):
+def drafter_spec(models, drafter: str) -> dict:
+    """The speculative engine's config: the pair's draft model, or an EAGLE-3 head built for its target."""
+    if drafter == "eagle3":
+        from rl_specdec.toy.heads import build_head
+
+        model = str(build_head(models))
+    else:
+        model = str(models.drafter)
+    return {"method": drafter, "model": model, "num_speculative_tokens": K_MAX, "draft_sample_method": "probabilistic"}
+
+
+def start(models, pair: str, speculate: bool, model=None, drafter: str = "draft_model"):
     from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
     from rl_specdec.config.generation import SpeculationControlConfig
 
     max_len, kv, _ = PAIRS[pair]
-    spec = None
-    if speculate:
-        spec = {
-            "method": "draft_model",
-            "model": str(models.drafter),
-            "num_speculative_tokens": K_MAX,
-            "draft_sample_method": "probabilistic",
-        }
+    spec = drafter_spec(models, drafter) if speculate else None
     kw = {"max_model_len": max_len, "kv_cache_memory_bytes": kv, "dtype": "float32", "speculative_config": spec}
     kw["enable_prefix_caching"] = False  # the short and the long call prefill alike
     cfg = GenerationConfig(
@@ -125,9 +133,9 @@ def timed_call(plain, draft, k: int | None, prompts, tokens: int, seed: int) -> 
 
 
 def _full_step(r: dict, b: int, k: int) -> bool:
-    """A decode step of all b requests with k drafts each (k=0: a plain step), whose time is known."""
-    kind = r["plain"] if k == 0 else (not r["plain"] and r["k_verify"] == k)
-    return bool(r["period_s"]) and r["b"] == b and r["tokens"] == b * (k + 1) and kind
+    """A decode step of all b requests with k drafts each, whose time is known (k=0: a plain step with a
+    draft model, vLLM's own k=0 step, which runs the head's first pass, with an EAGLE-3 head)."""
+    return bool(r["period_s"]) and r["b"] == b and r["tokens"] == b * (k + 1) and r["k_verify"] == k
 
 
 def acceptance(draft, prompts, max_tokens: int, seed: int) -> dict[int, float]:
@@ -148,9 +156,10 @@ def measure(plain, draft, prompts, batches, tokens: int, seeds) -> list[dict]:
     """Every (b, k) cell over ``seeds`` rounds, configurations in rotating order."""
     configs = [None] + list(range(K_MAX + 1))
     raw: dict[tuple[int, int | None], list[tuple[float, int]]] = {}
-    for b in batches:  # warm-up: every batch size once through each engine (torch.compile's shapes)
+    for b in batches:  # warm-up: every batch size and k once through each engine (torch.compile's shapes)
         timed_call(plain, draft, None, prompts[:b], 4, 0)
-        timed_call(plain, draft, K_MAX, prompts[:b], 16, 0)
+        for k in range(K_MAX + 1):
+            timed_call(plain, draft, k, prompts[:b], 8, 0)
     for r, seed in enumerate(seeds):
         for b in batches:
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
@@ -183,9 +192,11 @@ def drafter_pass(models, pair: str, prompts, tokens: int, seeds) -> float:
         g.shutdown()
 
 
-def marginal_pass(cells: list[dict]) -> float:
-    """What one more drafted token adds to a step at batch 1: the least-squares slope of t(1, k) over k = 1..K_MAX."""
+def marginal_pass(cells: list[dict], from_k: int = 1) -> float:
+    """What one more drafted token adds to a step at batch 1: the least-squares slope of t(1, k) over
+    k = from_k..K_MAX."""
     pts = [(int(c["k"]), c["step_s"]) for c in cells if c["b"] == 1 and c["k"] not in ("none", "0")]
+    pts = [(k, t) for k, t in pts if k >= from_k]
     mk, mt = statistics.fmean(k for k, _ in pts), statistics.fmean(t for _, t in pts)
     return sum((k - mk) * (t - mt) for k, t in pts) / sum((k - mk) ** 2 for k, _ in pts)
 
@@ -215,6 +226,12 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=32, help="tokens per request in a timed call")
     p.add_argument("--seeds", default="0,1", help="one timed round per seed")
     p.add_argument("--accept-prompts", type=int, default=64)
+    p.add_argument(
+        "--drafter",
+        choices=("draft_model", "eagle3"),
+        default="draft_model",
+        help="the pair's draft model, or an EAGLE-3 head built for its target (toy:*-eagle3)",
+    )
     bench_common.add_out(p, "cost-table", "cost_table_<pair>.json and .md")
     args = p.parse_args(argv)
     if "1" not in args.batches.split(","):
@@ -229,15 +246,16 @@ def run(args) -> None:
 
     cores, load = cores_and_load()
     head = bench_common.header()
-    print(f"# cost table, pair {args.pair}: {head}", flush=True)
+    print(f"# cost table, pair {args.pair}, drafter {args.drafter}: {head}", flush=True)
     batches, seeds = [int(x) for x in args.batches.split(",")], [int(x) for x in args.seeds.split(",")]
     models = pair_models(args.pair)
     tok = AutoTokenizer.from_pretrained(models.policy)
     prompts = pair_prompts(args.pair, tok, max(batches), seed=1000)
     importable()
     ray.init(num_cpus=cores + 2, include_dashboard=False, log_to_driver=False)
-    pass_s = drafter_pass(models, args.pair, prompts, args.tokens, seeds)
-    plain, draft = start(models, args.pair, False), start(models, args.pair, True)
+    # a head cannot run as a model of its own: its pass is priced by t(1, k)'s slope and by t(1, 0) - t(1, none)
+    pass_s = drafter_pass(models, args.pair, prompts, args.tokens, seeds) if args.drafter == "draft_model" else None
+    plain, draft = start(models, args.pair, False), start(models, args.pair, True, drafter=args.drafter)
     try:
         log("acceptance on task prompts:")
         accept = acceptance(draft, prompts[: args.accept_prompts], PAIRS[args.pair][2], seed=seeds[0])
@@ -257,15 +275,17 @@ def run(args) -> None:
         "dtype": "float32",
         "threads": cores,
         "target_params": _params(models.policy),
-        "drafter_params": _params(models.drafter),
+        "drafter": args.drafter,
+        "drafter_params": _params(drafter_spec(models, args.drafter)["model"]),
         "drafter_pass_s": pass_s,
         "drafter_marginal_s": marginal_pass(cells),
+        "drafter_marginal_from_k2_s": marginal_pass(cells, from_k=2),
         "target_step_b1_s": next(c["step_s"] for c in cells if c["b"] == 1 and c["k"] == "none"),
         "acceptance_length": {str(k): v for k, v in accept.items()},
         "command": "python -m benchmarks cost-table " + " ".join(sys.argv[1:]),
         "cells": cells,
     }
-    out = Path(args.out) / f"cost_table_{args.pair}.json"
+    out = Path(args.out) / f"cost_table_{args.pair}{'' if args.drafter == 'draft_model' else '_' + args.drafter}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     with bench_common.markdown_report(args.out, out.with_suffix(".md").name, f"Cost table, pair {args.pair}", head):
@@ -273,13 +293,23 @@ def run(args) -> None:
     print(f"written to {out} and {out.with_suffix('.md')}")
 
 
-def summary(result: dict, accept: dict, cells: list[dict], pass_s: float) -> None:
-    ratio = result["target_step_b1_s"] / result["drafter_pass_s"]
-    print(
-        f"target step at b=1 {1e3 * result['target_step_b1_s']:.2f} ms, drafter pass (its own step at b=1) "
-        f"{1e3 * pass_s:.2f} ms: ratio {ratio:.1f}x; one more drafted token adds "
-        f"{1e3 * result['drafter_marginal_s']:.2f} ms at b=1 (slope of t(1, k))"
-    )
+def summary(result: dict, accept: dict, cells: list[dict], pass_s: float | None) -> None:
+    target, marginal = result["target_step_b1_s"], result["drafter_marginal_s"]
+    if pass_s is not None:
+        print(
+            f"target step at b=1 {1e3 * target:.2f} ms, drafter pass (its own step at b=1) "
+            f"{1e3 * pass_s:.2f} ms: ratio {target / pass_s:.1f}x; one more drafted token adds "
+            f"{1e3 * marginal:.2f} ms at b=1 (slope of t(1, k))"
+        )
+    else:
+        k0 = next(c["step_s"] for c in cells if c["b"] == 1 and c["k"] == "0") - target
+        m2 = result["drafter_marginal_from_k2_s"]
+        print(
+            f"target step at b=1 {1e3 * target:.2f} ms; the head's pass: one more drafted token adds "
+            f"{1e3 * marginal:.2f} ms at b=1 (slope of t(1, k), k=1..{K_MAX}), {1e3 * m2:.2f} ms (k=2..{K_MAX}); "
+            f"k=0 through vLLM's path (the head's first pass and the rejection sampler) adds {1e3 * k0:.2f} ms to a "
+            f"plain step: the target's step is {target / k0:.1f}x that"
+        )
     print("E[L(k)]: " + ", ".join(f"k={k} {v:.2f}" for k, v in accept.items()))
     print(table(cells, accept))
 

@@ -15,6 +15,10 @@ cold start
     online training from a drafter of the right shape with random weights
     (``toy:drafter-untrained``), for ``--cold-steps`` steps.
 
+With ``--drafter eagle3`` the three runs use an EAGLE-3 head instead (``HEAD_RUNS``:
+``toy:eagle3``, and ``toy:eagle3-untrained`` for the cold start), trained online
+inside the policy's update.
+
 The cost of online training is measured by the ``grpo`` section (variant
 ``grpo_spec drafter online``, every seed), not here: one seed's step times
 swing too much to carry a 5% claim.
@@ -37,6 +41,13 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "online": ("configs/grpo_spec.yaml", FIXED + [ONLINE]),
     "online light": ("configs/grpo_spec.yaml", FIXED + LIGHT),
     "cold start": ("configs/grpo_spec.yaml", FIXED + [ONLINE, f"{SPEC}.model=toy:drafter-untrained"]),
+}
+# the same three runs with an EAGLE-3 head for the toy policy (toy:eagle3, trained at build), k=3 at every step
+HEAD = [f"{SPEC}.method=eagle3", f"{SPEC}.num_speculative_tokens=3"]
+HEAD_RUNS: dict[str, tuple[str, list[str]]] = {
+    "frozen": ("configs/grpo_spec.yaml", FIXED + HEAD + [f"{SPEC}.model=toy:eagle3"]),
+    "online": ("configs/grpo_spec.yaml", FIXED + HEAD + [f"{SPEC}.model=toy:eagle3", ONLINE]),
+    "cold start": ("configs/grpo_spec.yaml", FIXED + HEAD + [f"{SPEC}.model=toy:eagle3-untrained", ONLINE]),
 }
 COLD_GOAL = 2.5  # acceptance length the cold start should reach within 50 steps
 

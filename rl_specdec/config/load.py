@@ -182,10 +182,11 @@ def _resolve_one(name: str, key: str, toy_paths) -> str:
     toy = _toy_model(name, key)
     if toy is not None:
         pair, attr = toy
-        if attr == "eagle3":  # a head for the pair's policy, trained on it the first time
-            from rl_specdec.toy.heads import build_head
+        if attr.startswith("eagle3"):  # a head for the pair's policy, trained on it the first time (or untrained)
+            from rl_specdec.toy.heads import HeadBuildConfig, build_head
 
-            return str(build_head(toy_paths(pair)))
+            cfg = HeadBuildConfig(steps=0) if attr == "eagle3-untrained" else None
+            return str(build_head(toy_paths(pair), cfg))
         return str(getattr(toy_paths(pair), attr))
     looks_local = name.startswith(("/", "./", "../", "~")) or os.path.exists(name)
     if looks_local and not Path(os.path.expanduser(name)).is_dir():

@@ -15,6 +15,7 @@ TOY_MODELS = {
     "drafter": ("digits", "drafter"),
     "drafter-untrained": ("digits", "drafter_untrained"),
     "eagle3": ("digits", "eagle3"),
+    "eagle3-untrained": ("digits", "eagle3-untrained"),
     "longtail-policy": ("longtail", "policy"),
     "longtail-drafter": ("longtail", "drafter"),
     "wide-policy": ("wide", "policy"),

@@ -1,5 +1,7 @@
 """EAGLE-3 heads for the embedded targets, built here with no download (``toy:eagle3``, ``toy:wide-eagle3``).
 
+``toy:eagle3-untrained`` is the digit toy's head with random weights (no training steps): a cold start.
+
 A head is trained briefly at build time on its target's own outputs: the
 target's aux hidden states and next-token distributions on the pair's SFT
 data, computed once into a pool of batches (the wide target's forward is the
@@ -53,6 +55,8 @@ def train_head(target, batches, cfg: HeadBuildConfig, log=print):
     shape = HeadShape.for_target(target.config, cfg.intermediate_size)
     torch.manual_seed(cfg.seed)
     head = Eagle3Head(shape)
+    if cfg.steps == 0:  # an untrained head (random weights): a cold start
+        return head.eval()
     rng = random.Random(cfg.seed)
     pool = []
     for _ in range(cfg.pool):
@@ -114,7 +118,7 @@ def build_head(models: ToyModels, cfg: HeadBuildConfig | None = None, log=print)
     if (out / "DONE").exists():
         return out
     t0 = time.time()
-    log(f"[toy] building an EAGLE-3 head for {models.policy} (first run only)")
+    log(f"[toy] building an EAGLE-3 head for {models.policy} ({cfg.steps} training steps, first run only)")
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
