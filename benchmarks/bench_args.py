@@ -151,7 +151,8 @@ def parse(argv, description: str, section: str | None = None) -> Bench:
         p.error(f"--lockstep: {', '.join(sorted(bad))} generate beside training, outside the baton; run without it")
     if args.lockstep and (why := lockstep_memory_problem(names)):
         p.error(why)
-    if ("peer" in sections or "staleness" in sections) and "grpo" not in sections:
+    head_only = sections == ["staleness"] and args.drafter == "eagle3"  # the head's cost is the wide grpo's
+    if ("peer" in sections or "staleness" in sections) and "grpo" not in sections and not head_only:
         # the rows peer and cost compare against
         names = [
             n for n in names if n in ("grpo_base", "grpo_spec", "grpo_spec drafter online", "grpo_spec drafter light")

@@ -21,7 +21,9 @@ class DrafterTrainingConfig:
     eagle3 head from the policy's own hidden states (rl_specdec.policy.head)."""
 
     enabled: bool = False
-    learning_rate: float = 1e-3
+    # AdamW's learning rate; null: 1e-3 for a draft model, 1e-4 for an eagle3 head (a head built near the policy's
+    # optimum; 1e-3 moved it away: acceptance fell step by step on the wide pair, docs/performance.md)
+    learning_rate: Optional[float] = None
     steps_per_update: int = 1  # optimizer steps on each training step's rollouts
     every: int = 1  # train and refit the drafter every N GRPO steps
     top_k: int = 8  # policy log-probs per generated token, returned by vLLM with the rollouts (<= 20)
@@ -33,6 +35,10 @@ class DrafterTrainingConfig:
     # eagle3: the head trains in the policy workers, on the update's forward (its hidden states and log-probs),
     # one head step per update; chain_steps drafting steps per position (training-time test: the k it learns)
     chain_steps: int = 3
+
+    def lr_for(self, method: str) -> float:
+        """``learning_rate``, its null resolved for ``method``."""
+        return self.learning_rate if self.learning_rate is not None else (1e-4 if method == "eagle3" else 1e-3)
 
 
 @dataclass

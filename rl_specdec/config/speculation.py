@@ -68,6 +68,8 @@ def validate_drafter_training(gen: GenerationConfig) -> None:
     d = gen.drafter_training
     if not d.enabled:
         return
+    method = (gen.vllm_kwargs.get("speculative_config") or {}).get("method")
+    d.learning_rate = d.lr_for(method)
     for name in ("learning_rate", "steps_per_update", "every", "micro_batch_size"):
         _positive(f"{KEY}.drafter_training.{name}", getattr(d, name))
     if d.max_sequences < 0:

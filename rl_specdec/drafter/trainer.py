@@ -110,7 +110,7 @@ class DrafterTrainer:
             .to(self.device)
             .train()
         )
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr_for("draft_model"), weight_decay=0.0)
         self.cfg = cfg
         self.version = 0  # drafter refits so far
 

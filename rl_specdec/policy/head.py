@@ -36,7 +36,7 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 class HeadTrainer:
     def __init__(self, folder: str, training, device: torch.device, refit_dtype: torch.dtype):
         self.head = load_head(folder).to(device).train()
-        self.opt = torch.optim.AdamW(self.head.parameters(), lr=training.learning_rate, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(self.head.parameters(), lr=training.lr_for("eagle3"), weight_decay=0.0)
         self.every, self.chain_steps, self.refit_dtype = training.every, training.chain_steps, refit_dtype
         self.updates_seen = 0  # policy updates so far: the schedule counts them
         self.version = 0  # head steps taken
@@ -51,7 +51,7 @@ class HeadTrainer:
         """Read the policy's embedding and LM head for this step (before its update changes them)."""
         self._embed = _full(model.get_input_embeddings().weight).float()
         self._lm_head = _full(model.get_output_embeddings().weight).float()
-        self._sums, self._t0 = {"loss": 0.0, "tokens": 0.0}, time.time()
+        self._sums, self._busy = {"loss": 0.0, "tokens": 0.0}, 0.0
         self.opt.zero_grad(set_to_none=True)
 
     def learn(self, hidden_states, logp_all: torch.Tensor, mb: dict[str, torch.Tensor]) -> None:
@@ -60,6 +60,7 @@ class HeadTrainer:
         hidden_states: the policy's (embeddings, layer 1, ...), each [n, T, H]; logp_all [n, T-1, V];
         mb["loss_mask"] [n, T-1]: 1 where token t+1 is a response token; mb["batch_num_tokens"]: the whole
         (global) batch's response tokens, so the micro-batches' and the workers' gradients sum to its mean."""
+        t0 = time.time()
         ids = self.head.shape.aux_layer_ids
         aux = torch.cat([hidden_states[i] for i in ids], -1).detach().float()  # [n, T, 3H]
         target = F.pad(logp_all.detach().float(), (0, 0, 0, 1))  # [n, T, V]: row t predicts token t+1
@@ -75,12 +76,14 @@ class HeadTrainer:
         self._sums["tokens"] += tokens
         for j, a in enumerate(agree):
             self._sums[f"agreement_{j + 1}"] = self._sums.get(f"agreement_{j + 1}", 0.0) + a * tokens
+        self._busy += time.time() - t0
 
     def end(self, trained: bool) -> None:
         """Close the policy's update: the head's step (its gradients all-reduced first), or only the count."""
         self.updates_seen += 1
         if not trained:
             return
+        t0 = time.time()
         if dist.is_initialized() and dist.get_world_size() > 1:
             for p in self.head.parameters():
                 if p.grad is None:
@@ -91,7 +94,7 @@ class HeadTrainer:
         self.version += 1
         n = max(self._sums.pop("tokens"), 1.0)
         self.result = {k: v / n for k, v in self._sums.items()}  # this worker's shard
-        self.result.update(version=float(self.version), time_s=time.time() - self._t0)
+        self.result.update(version=float(self.version), time_s=self._busy + time.time() - t0)  # the head's own time
         self._embed = self._lm_head = None
 
     def state_dict_for_refit(self) -> dict[str, torch.Tensor]:
