@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import DIST_PROMPT, DIST_TOKENS, dist_samples, hf_greedy, hf_token_logprobs, module_engine, position_test
-from engine_debug import DebugVllmGeneration, agreement, debug, first_drafts
+from engine_debug import CYCLE, DebugVllmGeneration, agreement, check_k_changing_is_lossless, debug, first_drafts
 from rl_specdec.errors import WeightIntegrityError
 from rl_specdec.metrics import compute_spec_decode_metrics
 from rl_specdec.rollout import SamplingSettings
@@ -25,7 +25,6 @@ pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 40
 GREEDY = SamplingSettings(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
-CYCLE = [0, 3, 0, 0, 2, 1, 0, 3, 3, 0]  # k per engine step
 
 
 @pytest.fixture(scope="module")
@@ -151,27 +150,7 @@ def test_greedy_with_k_cycling_every_step_equals_transformers(eng_head, task_pro
 
 
 def test_temperature_one_with_k_changing_between_and_within_calls(eng_head, plain, tokenizer, hf_policy):
-    """400 samples from four calls: k=3, k=0, k cycling every step, k=2 then 3 within the call."""
-    prompt = tokenizer.encode(DIST_PROMPT)
-    samples, logprobs = [], []
-    try:
-        for i, (k, hooks) in enumerate([(3, {}), (0, {}), (3, {"cycle": CYCLE}), (2, {"plan": [(4, 3)]})]):
-            eng_head.set_speculation(k)
-            debug(eng_head, **hooks)
-            sampling = SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=2000 + 100 * i, logprobs=0)
-            out = eng_head.generate([prompt] * 100, sampling)
-            debug(eng_head, cycle=None, plan=[])
-            samples += out.token_ids
-            logprobs += list(zip(out.token_ids, out.logprobs))
-    finally:
-        eng_head.set_speculation(3)
-    p, per_pos = position_test(plain, samples)
-    assert p > 1e-3, f"k changed at run time changes what is sampled (adjusted p={p:.2e}; per position {per_pos})"
-    worst = max(
-        float(np.max(np.abs(np.array(lp) - np.array(hf_token_logprobs(hf_policy, prompt, ids)))))
-        for ids, lp in logprobs[::8]
-    )
-    assert worst < 1e-4, f"sampled log-probs differ from the policy's: {worst:.2e}"
+    check_k_changing_is_lossless(eng_head, plain, tokenizer.encode(DIST_PROMPT), hf_policy)
 
 
 def test_the_head_drafts_after_a_stretch_at_k0_as_if_it_never_stopped(eng_head, task_prompts):

@@ -16,11 +16,18 @@ sampled log-probs against transformers, and the temperature-1 distribution.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from conftest import DIST_PROMPT, DIST_TOKENS, dist_samples, draft_spec, hf_token_logprobs, module_engine, position_test
-from engine_debug import DebugAsyncVllmGeneration, DebugVllmGeneration, agreement, debug, first_drafts
+from conftest import DIST_PROMPT, dist_samples, draft_spec, module_engine, position_test
+from engine_debug import (
+    CYCLE,
+    DebugAsyncVllmGeneration,
+    DebugVllmGeneration,
+    agreement,
+    check_k_changing_is_lossless,
+    debug,
+    first_drafts,
+)
 from rl_specdec.errors import ConfigError
 from rl_specdec.metrics import compute_spec_decode_metrics
 from rl_specdec.metrics.counters import DRAFT_TOKENS, DRAFTS
@@ -30,7 +37,6 @@ pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 40
 GREEDY = SamplingSettings(max_tokens=MAX_TOKENS, temperature=0.0)
-CYCLE = [0, 3, 0, 0, 2, 1, 0, 3, 3, 0]  # k per engine step: in and out of the fast path all the time
 
 
 @pytest.fixture(scope="module")
@@ -169,29 +175,7 @@ def test_greedy_with_k_cycling_every_step_equals_no_speculation(eng_fixed, task_
 
 
 def test_temperature_one_with_k_changing_between_and_within_calls(eng_fixed, plain_samples, tokenizer, hf_policy):
-    """400 samples from four calls: k=3, k=0 (the fast path), k cycling every step, k=2 then 3 within the call."""
-    prompt = tokenizer.encode(DIST_PROMPT)
-    samples, logprobs = [], []
-    setups = [(3, {}), (0, {}), (3, {"cycle": CYCLE}), (2, {"plan": [(4, 3)]})]
-    try:
-        for i, (k, hooks) in enumerate(setups):
-            eng_fixed.set_speculation(k)
-            debug(eng_fixed, **hooks)
-            out = eng_fixed.generate(
-                [prompt] * 100, SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=2000 + 100 * i)
-            )
-            debug(eng_fixed, cycle=None, plan=[])
-            samples += out.token_ids
-            logprobs += list(zip(out.token_ids, out.logprobs))
-    finally:
-        eng_fixed.set_speculation(3)
-    p, per_pos = position_test(plain_samples, samples)
-    assert p > 1e-3, f"k changed at run time changes what is sampled (adjusted p={p:.2e}; per position {per_pos})"
-    worst = max(
-        float(np.max(np.abs(np.array(lp) - np.array(hf_token_logprobs(hf_policy, prompt, ids)))))
-        for ids, lp in logprobs[::8]
-    )
-    assert worst < 1e-4, f"sampled log-probs differ from the policy's: {worst:.2e}"
+    check_k_changing_is_lossless(eng_fixed, plain_samples, tokenizer.encode(DIST_PROMPT), hf_policy)
 
 
 # ---- the drafter catch-up -----------------------------------------------------------------------
