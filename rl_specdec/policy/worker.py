@@ -53,8 +53,9 @@ def token_logprobs_and_entropy(
     ``features(hidden_states, logp_all)``, if given, sees the forward's hidden states and log-probs (a head
     learns from them).
     """
+    more = {"output_hidden_states": True} if features is not None else {}  # only models that feed a head get it
     with compute(input_ids.shape[1]):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=features is not None)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, **more)
     logits = out.logits[:, :-1].float()  # [N, T-1, V]
     logp_all = F.log_softmax(logits, dim=-1)  # [N, T-1, V]
     if features is not None:
