@@ -81,7 +81,6 @@ def validate_drafter_training(gen: GenerationConfig) -> None:
         raise ConfigError(
             f"{KEY}.drafter_training.top_k={d.top_k} must be in 1..20 (vLLM returns at most 20 log-probs per token)"
         )
-    method = (gen.vllm_kwargs.get("speculative_config") or {}).get("method")
     if method is None:
         raise ConfigError(
             f"{KEY}.drafter_training.enabled=true needs speculation: set {KEY}.vllm_kwargs.speculative_config "
