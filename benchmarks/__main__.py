@@ -34,6 +34,7 @@ COMMANDS: dict[str, Command] = {
     "cost-table": Command("cost_table", "main", "What does an engine step cost at batch b and k drafts, measured?"),
     "gpu-whatif": Command("gpu_whatif", "main", "What would speculation buy on a GPU? (a model, not a measurement)"),
     "gpu-torch": Command("gpu_torch", "main", "How fast are the train step and decode kernels on this GPU?"),
+    "gpu-head": Command("gpu_head", "main", "What does training an EAGLE-3 head online cost a step on this GPU?"),
     "refit": Command("refit", "main", "What does handing the weights to the engines cost, whole or bucketed?"),
     "exactness": Command("exactness", "main", "Is every sampled token's log-prob the trainer's while k changes?"),
 }

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import exactness_check as ec
 import exactness_engine
+from exactness_run import Run
 from step_records import importable
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,14 +62,19 @@ MODES = {
     "stale-drafter": "fixed",
     "refit": "fixed",
 }
+# the EAGLE-3 head each pair's target drafts with under --drafter eagle3 (built and cached at first use)
+HEADS = {"toy": "toy:eagle3", "wide": "toy:wide-eagle3"}
+# a head's k=0 steps run through vLLM's own path, which keeps the head's KV in step: no catch-up to switch off
+NOT_FOR_HEADS = ("stale-drafter",)
 # of --tokens (and of --minutes)
 SHARE = {"none": 0.1, "warmup": 0.35, "random": 0.15, "stretch": 0.15, "stale-drafter": 0.1, "refit": 0.15}
 
 
-def load(pair: str, engine: str, extra: list[str]):
+def load(pair: str, engine: str, extra: list[str], drafter: str = "draft_model"):
     from rl_specdec.config import load_config
 
-    return load_config(CONFIGS[pair], ["policy.precision=fp32", *ENGINES[engine], *extra])
+    heads = [f"{SPEC}.method=eagle3", f"{SPEC}.model={HEADS[pair]}"] if drafter == "eagle3" else []
+    return load_config(CONFIGS[pair], ["policy.precision=fp32", *heads, *ENGINES[engine], *extra])
 
 
 def schedule(mode: str, k_max: int, seed: int, n: int = 4999) -> list[int] | None:
@@ -109,12 +115,18 @@ class Calls:
         return prompts, SamplingSettings.from_config(self.cfg.policy.generation, seed=sampling_seed(self.seed, step))
 
 
-def perturbed(path: str, scale: float, seed: int) -> dict:
-    """The model's weights plus Gaussian noise of ``scale`` times each tensor's std (seeded)."""
+def perturbed(path: str, scale: float, seed: int, method: str = "draft_model") -> dict:
+    """The model's (or the EAGLE-3 head's) weights plus Gaussian noise of ``scale`` times each tensor's std
+    (seeded), under the names the engine's refit takes."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    sd = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    from rl_specdec.heads.eagle3 import load_head
+
+    if method == "eagle3":
+        sd = load_head(path).vllm_state_dict()
+    else:
+        sd = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     g = torch.Generator().manual_seed(seed)
     return {k: v + torch.randn(v.shape, generator=g) * v.std() * scale if v.numel() > 1 else v for k, v in sd.items()}
 
@@ -123,39 +135,43 @@ def before_call(group, mode: str, cfg, call: int, args) -> None:
     if mode == "warmup":
         group.engine_rpc("rl_specdec_exactness", restart_controller=True)
     if mode == "refit":
-        drafter = cfg.policy.generation.vllm_kwargs["speculative_config"]["model"]
-        group.update_weights(perturbed(drafter, 0.05, args.seed * 1000 + call), target="drafter")
+        spec = cfg.policy.generation.vllm_kwargs["speculative_config"]
+        noisy = perturbed(spec["model"], 0.05, args.seed * 1000 + call, spec["method"])
+        group.update_weights(noisy, target="drafter")
 
 
-def run_mode(group, model, cfg, mode: str, budget: int, args, tally: ec.Tally, bar) -> dict:
-    """Calls until ``budget`` tokens are checked; returns the mode's counters."""
+def run_mode(group, model, cfg, mode: str, run: Run, args, bar) -> None:
+    """Calls until the mode's share of ``--tokens`` is checked (or its share of ``--minutes`` is spent), the run
+    saved after every call."""
     calls, spec = Calls(cfg, args.seed), mode != "none"
     k_max = cfg.policy.generation.vllm_kwargs["speculative_config"]["num_speculative_tokens"] if spec else 0
-    if spec:
-        sched = schedule(mode, k_max, args.seed)
+    info, tally = run.info[mode], run.tallies[mode]
+    if spec:  # a resumed run goes on with the schedule where the saved calls left it
+        sched = schedule(mode, k_max, args.seed + 7919 * info["calls"])
         group.engine_rpc("rl_specdec_exactness", schedule=sched, catch_up=mode != "stale-drafter", take=True)
-    n, call, gen_s, catch_up = 0, 0, 0.0, 0
-    deadline = time.monotonic() + 60 * args.minutes * SHARE[mode] / sum(SHARE[m] for m in args.modes)
-    while n < budget and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60 * args.minutes * run.time_share(mode, args)
+    while info["tokens"] < run.budget(mode, args) and time.monotonic() < deadline:
+        call = info["calls"]
         prompts, sampling = calls(10_000 * (1 + list(MODES).index(mode)) + call)  # each mode its own steps
         before_call(group, mode, cfg, call, args)
         t0 = time.perf_counter()
         out = group.generate(prompts, sampling)
-        gen_s += time.perf_counter() - t0
+        info["generate_s"] += time.perf_counter() - t0
         ctx = None
         if spec:
             steps = group.engine_rpc("rl_specdec_exactness", take=True)[0]["steps"]
             ctx = ec.token_contexts(steps, [len(t) for t in out.token_ids])
-            catch_up += sum(r[4] for s in steps for r in s["reqs"].values())
+            info["catch_up_tokens"] += sum(r[4] for s in steps for r in s["reqs"].values())
         ref = ec.recompute(model, prompts, out.token_ids, cfg.policy.micro_batch_size, calls.tok.pad_token_id)
         tally.add(call, prompts, out.token_ids, out.logprobs, ref, ctx)
         got = sum(len(t) for t in out.token_ids)
-        n, call = n + got, call + 1
+        info["tokens"], info["calls"] = info["tokens"] + got, call + 1
+        run.save()
         bar.update(got)
     if spec:
         group.engine_rpc("rl_specdec_exactness", schedule=None, catch_up=True)
     tally.explain(model)
-    return {"calls": call, "generate_s": gen_s, "tokens_per_s": n / max(gen_s, 1e-9), "catch_up_tokens": catch_up}
+    run.save()
 
 
 def main(argv=None) -> int:
@@ -164,55 +180,50 @@ def main(argv=None) -> int:
         print(table(json.loads(Path(args.report).read_text())))
         return 0
     importable()
-    results = {"pair": args.pair, "tokens": args.tokens, "seed": args.seed, "modes": {}, "machine": machine()}
+    if args.resume:
+        run = Run.resume(Path(args.resume), args, SHARE, machine())
+    else:
+        run = Run.new(args, SHARE, machine())
     by_engine: dict[str, list[str]] = {}
     for m in args.modes:
-        by_engine.setdefault(MODES[m], []).append(m)
+        if run.info[m]["tokens"] < run.budget(m, args):
+            by_engine.setdefault(MODES[m], []).append(m)
     for engine, modes in by_engine.items():
-        results["modes"].update(run_engine(engine, modes, args))
-    control = results["modes"].get("none", {}).get("max")
-    if control is not None:
-        scale = max(r.get("logprob_scale", 0.0) for r in results["modes"].values())
-        results["bound"] = ec.bound(control, scale)
+        run_engine(engine, modes, args, run)
+    results = run.save()
     print(table(results))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"exactness_{args.pair}_{time.strftime('%Y%m%d_%H%M%S')}.json"
-    path.write_text(json.dumps(results, indent=1))
-    print(f"written {path}", file=sys.stderr)
+    print(f"written {run.path} (go on with --resume {run.path})", file=sys.stderr)
     bad = [m for m, r in results["modes"].items() if m != "none" and r["max"] > results.get("bound", float("inf"))]
     return 1 if bad else 0
 
 
-def run_engine(engine: str, modes: list[str], args) -> dict:
+def run_engine(engine: str, modes: list[str], args, run: Run) -> None:
     """One engine for ``modes`` (run in turn on it), shut down before the next engine starts."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    cfg = load(args.pair, engine, args.set)
+    cfg = load(args.pair, engine, args.set, args.drafter)
     group = exactness_engine.engine_group()(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=args.seed)
     model = AutoModelForCausalLM.from_pretrained(cfg.policy.model_name, dtype=torch.float32).eval()
-    out = {}
     try:
         if args.perturb_target and engine != "none":
             group.update_weights(perturbed(cfg.policy.model_name, args.perturb_target, 7), target="policy")
         for m in modes:
-            budget = max(1, int(args.tokens * SHARE[m]))
-            tally = ec.Tally()
-            with tqdm(total=budget, desc=f"{args.pair} {m}", unit="tok", file=sys.stderr) as bar:
-                info = run_mode(group, model, cfg, m, budget, args, tally, bar)
-            out[m] = {**tally.report(), **info}
-            print(f"{m}: {out[m]['tokens']} tokens, max {out[m]['max']:.2e}", file=sys.stderr, flush=True)
+            budget, done = run.budget(m, args), run.info[m]["tokens"]
+            with tqdm(total=budget, initial=done, desc=f"{args.pair} {m}", unit="tok", file=sys.stderr) as bar:
+                run_mode(group, model, cfg, m, run, args, bar)
+            r = run.results["modes"][m]
+            print(f"{m}: {r['tokens']} tokens, max {r['max']:.2e}", file=sys.stderr, flush=True)
     finally:
         group.shutdown()
-    return out
 
 
 def table(results: dict) -> str:
     control = results["modes"].get("none", {}).get("max")
     lines = [
-        f"exactness, {results['pair']} pair, {results['machine']}: |engine log-prob - trainer log-prob| (fp32)",
+        f"exactness, {results['pair']} pair, {results.get('drafter', 'draft_model')}, {results['machine']}: "
+        "|engine log-prob - trainer log-prob| (fp32)",
         "",
         "| mode | tokens | calls | gen tokens/s | catch-up tokens | max | p99.99 | p99 | median | max / control's "
         "| worst sequence's mean |",
@@ -264,18 +275,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pair", choices=sorted(CONFIGS), default="toy")
     p.add_argument("--tokens", type=int, default=20000, help="sampled tokens to check, shared among the modes")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, among {', '.join(MODES)}")
+    p.add_argument("--modes", help=f"comma-separated, among {', '.join(MODES)} (default: all the drafter takes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--minutes", type=float, default=1e9, help="wall-time cap, shared among the modes as --tokens is")
     p.add_argument("--set", action="append", default=[], help="a config override, e.g. policy.micro_batch_size=4")
     p.add_argument("--perturb-target", type=float, default=0.0, help="negative control: target weights' noise")
     p.add_argument("--out", default=str(REPO / "results" / "exactness"))
     p.add_argument("--report", help="print the tables of a JSON this command wrote, and run nothing")
+    p.add_argument("--resume", help="a JSON this command wrote: add tokens to it, up to --tokens (its settings kept)")
+    p.add_argument(
+        "--drafter", choices=("draft_model", "eagle3"), default="draft_model", help="eagle3: the pair's head"
+    )
     args = p.parse_args(argv)
-    args.modes = [m for m in args.modes.split(",") if m]
-    unknown = [m for m in args.modes if m not in MODES]
+    takes = [m for m in MODES if args.drafter == "draft_model" or m not in NOT_FOR_HEADS]
+    args.modes = [m for m in (args.modes or ",".join(takes)).split(",") if m]
+    unknown = [m for m in args.modes if m not in takes]
     if unknown:
-        p.error(f"--modes: unknown {', '.join(unknown)}; choose among {', '.join(MODES)}")
+        p.error(f"--modes: {', '.join(unknown)} not for --drafter {args.drafter}; choose among {', '.join(takes)}")
     return args
 
 

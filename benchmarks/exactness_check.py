@@ -88,6 +88,8 @@ def kind(ctx: dict) -> str:
     """A token's kind, for the per-kind maxima."""
     if ctx["plain"]:
         return "plain step"
+    if ctx["k_verified"] == 0:  # a prefill, or a k=0 step through vLLM's path (a head drafting nothing)
+        return "step with no drafts"
     if ctx["catch_up_before_drafts"]:
         return "drafts after a catch-up"
     return "accepted draft" if ctx["accepted_draft"] else "verify step's own sample"
@@ -172,6 +174,21 @@ class Tally:
             if "alone" not in w:
                 seq = w["sequence"]
                 w["alone"] = recompute_alone(model, seq["prompt"], seq["completion"])[w["token"]]
+
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """What :meth:`restore` needs to go on adding calls: a JSON part and the arrays (saved apart)."""
+        worst = [[d, n, item] for d, n, item in self.worst]
+        js = {"by_kind": self.by_kind, "worst_heap": worst, "scale": self.scale, "n": self._n}
+        diffs = np.concatenate(self.diffs) if self.diffs else np.zeros(0, np.float32)
+        return js, {"diffs": diffs, "seq_means": np.asarray(self.seq_means, dtype=np.float64)}
+
+    @classmethod
+    def restore(cls, js: dict, arrays: dict[str, np.ndarray]) -> Tally:
+        t = cls(by_kind=js["by_kind"], scale=js["scale"], seq_means=arrays["seq_means"].tolist(), _n=js["n"])
+        t.diffs = [arrays["diffs"].astype(np.float32)]
+        t.worst = [(d, n, item) for d, n, item in js["worst_heap"]]
+        heapq.heapify(t.worst)
+        return t
 
     def report(self) -> dict:
         all_d = np.concatenate(self.diffs) if self.diffs else np.zeros(0)

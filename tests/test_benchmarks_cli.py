@@ -18,7 +18,18 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-COMMANDS = ("grpo", "staleness", "peer", "rollout", "cost-table", "gpu-whatif", "gpu-torch", "refit", "exactness")
+COMMANDS = (
+    "grpo",
+    "staleness",
+    "peer",
+    "rollout",
+    "cost-table",
+    "gpu-whatif",
+    "gpu-torch",
+    "gpu-head",
+    "refit",
+    "exactness",
+)
 STUDIES = (
     "agent_success",
     "grpo_gap",

@@ -284,6 +284,18 @@ def test_lengths_rebuilt_from_a_metrics_row_keep_its_count_total_and_max():
     assert abs(np.median(x) - 250) < 60
 
 
+def test_an_online_head_costs_its_update_and_a_draft_model_nothing_here():
+    """The head's update: 6 FLOPs per weight of its pass, per response token and training-time-test step, at the
+    train phase's MFU; a small part of the 8B's train phase (8 N per token), and linear in the chain's steps."""
+    dev, wl = H.H100, W.Workload(np.full(64, 300), 200)
+    head, draft = W.PAIRS["8B+EAGLE3"], W.PAIRS["8B+0.6B"]
+    t = C.head_train_time(dev, head, wl)
+    assert C.head_train_time(dev, draft, wl) == 0.0
+    assert t == pytest.approx(6 * head.drafter.dense_params * 64 * 300 * 3 / (dev.flops * dev.mfu))
+    assert C.head_train_time(dev, head, wl, chain_steps=1) == pytest.approx(t / 3)
+    assert 0.02 < t / C.train_time(dev, head, wl) < 0.25
+
+
 def test_the_script_runs_end_to_end_small(tmp_path, capsys):
     import gpu_whatif
 
@@ -307,6 +319,7 @@ def test_the_script_runs_end_to_end_small(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "Where speculation loses" in out and "H20" in out and (tmp_path / "speedup_vs_batch.png").exists()
+    assert "the head trained online" in out  # an EAGLE-3 pair's table prices the head's own update
     gpu_whatif.main(["--calibrate", FIXTURE, "--out", str(tmp_path)])
     assert json.load(open(tmp_path / "cpu_constants.json"))["t_step"] > 0
 
@@ -344,3 +357,12 @@ def test_the_gpu_fit_recovers_the_constants_that_made_the_passes():
         assert G.predicted(fitted, shape, r) == pytest.approx(r["seconds"], rel=1e-6)
     misses = [r["seconds"] / G.predicted(assumed, G.shape_of(data, r["model"]), r) for r in rows]
     assert max(misses) > 1.5  # the drafter's batch-1 pass, where the per-layer floor dominates
+
+
+def test_the_head_update_benchmark_runs_the_workers_loss_at_a_toy_shape(tmp_path, capsys):
+    import gpu_head
+
+    gpu_head.main(["--tiny", "--max-len", "32", "--prompt-len", "8", "--repeats", "1", "--out", str(tmp_path)])
+    rows = json.load(open(tmp_path / "gpu_head.json"))["rows"]
+    assert [r["variant"] for r in rows] == ["fp32", "bf16"] and all(r["tokens"] == 2 * 24 for r in rows)
+    assert "| fp32 |" in capsys.readouterr().out

@@ -75,3 +75,24 @@ def test_the_head_follows_its_schedule_and_comes_back_from_a_checkpoint(tmp_path
     back.train_step(batch, loss_fn)
     back.train_step(batch, loss_fn)  # the schedule resumes in phase: this is update 4, a head step
     assert back.head_result()["version"] == 2.0
+
+
+def test_under_bf16_compute_the_head_runs_its_matmuls_in_bf16_and_keeps_fp32_weights(tmp_path):
+    """A policy that computes in bf16 (bf16-mixed) has its head's loss computed in bf16 too: the same loss to
+    bf16's accuracy, not bit for bit, with the head's weights and gradients still fp32."""
+    from rl_specdec.heads.eagle3 import micro_batch_loss
+
+    path = str(build_toy_models().policy)
+    head = load_head(random_head(path, tmp_path / "head"))
+    h, v, n, t = head.shape.hidden_size, head.shape.vocab_size, 2, 12
+    g = torch.Generator().manual_seed(0)
+    states = [torch.randn(n, t, h, generator=g) for _ in range(max(head.shape.aux_layer_ids) + 1)]
+    logp = torch.log_softmax(torch.randn(n, t - 1, v, generator=g), -1)  # [n, T-1, V]
+    mb = {"input_ids": torch.randint(0, v, (n, t), generator=g), "loss_mask": torch.ones(n, t - 1)}
+    embed, lm_head = torch.randn(v, h, generator=g) * 0.1, torch.randn(v, h, generator=g) * 0.1
+    fp32, _, tokens = micro_batch_loss(head, states, logp, mb, embed, lm_head, 3, bf16=False)
+    bf16, _, _ = micro_batch_loss(head, states, logp, mb, embed, lm_head, 3, bf16=True)
+    assert tokens == n * (t - 1) and bf16.dtype == torch.float32
+    assert fp32.item() != bf16.item() and abs(fp32.item() - bf16.item()) < 2e-2 * abs(fp32.item())
+    bf16.backward()
+    assert all(p.dtype == torch.float32 and p.grad is not None for p in head.parameters())

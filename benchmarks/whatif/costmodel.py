@@ -220,3 +220,18 @@ def train_time(dev: Device, pair: Pair, wl: Workload, tp: int = 1) -> float:
     and response at the device's MFU (no reference model: kl_coef 0)."""
     tokens = float(wl.tokens + len(wl.lengths) * wl.prompt_len)
     return TRAIN_FLOPS_PER_PARAM_TOKEN * pair.target.total_params * tokens / (dev.flops * dev.mfu * tp)
+
+
+HEAD_METHODS = ("eagle3", "mtp")
+HEAD_CHAIN_STEPS = 3  # drafter_training.chain_steps's default: the training-time-test steps per token
+
+
+def head_train_time(dev: Device, pair: Pair, wl: Workload, tp: int = 1, chain_steps: int = HEAD_CHAIN_STEPS) -> float:
+    """A head trained online (drafter_training on an eagle3 or mtp pair; rl_specdec/policy/head.py): its features
+    and targets come from the policy's own update forward, so no extra policy pass; the head runs forward and
+    backward over every response token once per training-time-test step, 6 FLOPs per weight its pass reads (its
+    layer, its fc, the LM head it projects through; a frozen LM head needs 4, so this bounds it from above).
+    Zero for a draft model, whose training is priced apart."""
+    if pair.method not in HEAD_METHODS:
+        return 0.0
+    return 6.0 * pair.drafter.dense_params * float(wl.tokens) * chain_steps / (dev.flops * dev.mfu * tp)

@@ -88,7 +88,8 @@ def run_pair(
             cells[av.name] = Cell(ph.time, train, ph.steps, ph.tokens, ph.k_steps, ph.extra)
             name, ph = controller_phase(pair, wl, pricer, setup, warmups)
             cells[name] = Cell(ph.time, train, ph.steps, ph.tokens, ph.k_steps, ph.extra)
-        out[dev.name] = {"tp": tp, "cells": cells, "memory": C.memory_needed(dev, pair, wl)}
+        head = C.head_train_time(dev, pair, wl, tp)
+        out[dev.name] = {"tp": tp, "cells": cells, "memory": C.memory_needed(dev, pair, wl), "head_train": head}
     return out
 
 

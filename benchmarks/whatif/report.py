@@ -91,9 +91,23 @@ def speedup_tables(results: dict, devices: list[Device]) -> str:
                 rows.append(
                     [pol] + [f"{fmt_x(sp[d][pol][0])} ({fmt_x(sp[d][pol][1])})" if pol in sp[d] else "-" for d in names]
                 )
+        if any(by_dev[d].get("head_train") for d in names):
+            rows.append(
+                ["the head trained online: + s a step (best step speed-up then)"]
+                + [head_row(by_dev[d], sp[d]) for d in names]
+            )
         out.append(f"\n### {pk}: generation speed-up (step speed-up) against no speculation\n")
         out.append(table(["policy"] + names, rows))
     return "\n".join(out)
+
+
+def head_row(dev_result: dict, sp: dict) -> str:
+    """What training the head online adds to every step (C.head_train_time), and the best policy's step
+    speed-up once it is added."""
+    head, cells = dev_result["head_train"], dev_result["cells"]
+    best = max((n for n in cells if n != "none"), key=lambda n: sp[n][1])
+    step = cells["none"].step / (cells[best].step + head)
+    return f"+{head:.2f} s ({best}: {fmt_x(step)})"
 
 
 def best_fixed(sp: dict) -> tuple[str, float]:

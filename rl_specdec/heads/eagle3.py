@@ -252,6 +252,20 @@ def head_loss(head: Eagle3Head, aux, input_ids, target_logp, mask, embed, lm_hea
     return total / steps, agree
 
 
+def micro_batch_loss(head, hidden_states, logp_all, mb, embed, lm_head, chain_steps: int, bf16: bool):
+    """The head's loss on one micro-batch of the policy's detached features: (loss, per-step agreement, the
+    response tokens it covers). ``bf16``: the head's matmuls under bf16 autocast (its weights, the loss and
+    the optimizer stay fp32), as the policy computes under bf16-mixed: on a GPU the head's update in fp32
+    runs at fp32's matmul speed, 7x its time in bf16 (docs/performance.md, "On a GPU, predicted")."""
+    ids = head.shape.aux_layer_ids
+    aux = torch.cat([hidden_states[i] for i in ids], -1).detach().float()  # [n, T, 3H]
+    target = F.pad(logp_all.detach().float(), (0, 0, 0, 1))  # [n, T, V]: row t predicts token t+1
+    mask = F.pad(mb["loss_mask"], (0, 1))  # [n, T]
+    with torch.autocast(aux.device.type, dtype=torch.bfloat16, enabled=bf16):
+        loss, agree = head_loss(head, aux, mb["input_ids"], target, mask, embed, lm_head, chain_steps)
+    return loss, agree, float(mask.sum())
+
+
 def save_head(head: Eagle3Head, folder: str | Path) -> None:
     from safetensors.torch import save_file
 

@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from rl_specdec.heads.eagle3 import head_loss, load_head, save_head
+from rl_specdec.heads.eagle3 import load_head, micro_batch_loss, save_head
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -34,7 +33,8 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 
 class HeadTrainer:
-    def __init__(self, folder: str, training, device: torch.device, refit_dtype: torch.dtype):
+    def __init__(self, folder: str, training, device: torch.device, refit_dtype: torch.dtype, bf16: bool = False):
+        self.bf16 = bf16  # the policy computes in bf16: so does the head (its weights and AdamW stay fp32)
         self.head = load_head(folder).to(device).train()
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=training.lr_for("eagle3"), weight_decay=0.0)
         self.every, self.chain_steps, self.refit_dtype = training.every, training.chain_steps, refit_dtype
@@ -61,15 +61,10 @@ class HeadTrainer:
         mb["loss_mask"] [n, T-1]: 1 where token t+1 is a response token; mb["batch_num_tokens"]: the whole
         (global) batch's response tokens, so the micro-batches' and the workers' gradients sum to its mean."""
         t0 = time.time()
-        ids = self.head.shape.aux_layer_ids
-        aux = torch.cat([hidden_states[i] for i in ids], -1).detach().float()  # [n, T, 3H]
-        target = F.pad(logp_all.detach().float(), (0, 0, 0, 1))  # [n, T, V]: row t predicts token t+1
-        mask = F.pad(mb["loss_mask"], (0, 1))  # [n, T]
-        tokens = float(mask.sum())
-        if tokens == 0:
+        if float(mb["loss_mask"].sum()) == 0:
             return
-        loss, agree = head_loss(
-            self.head, aux, mb["input_ids"], target, mask, self._embed, self._lm_head, self.chain_steps
+        loss, agree, tokens = micro_batch_loss(
+            self.head, hidden_states, logp_all, mb, self._embed, self._lm_head, self.chain_steps, self.bf16
         )
         (loss * tokens / float(mb["batch_num_tokens"][0])).backward()
         self._sums["loss"] += float(loss.detach()) * tokens

@@ -321,4 +321,5 @@ def trained_head(cfg: PolicyConfig, device: torch.device, refit_dtype: torch.dty
         return None
     from rl_specdec.policy.head import HeadTrainer
 
-    return HeadTrainer(spec["model"], cfg.generation.drafter_training, device, refit_dtype)
+    bf16 = precision.COMPUTE[cfg.precision] == "bfloat16"
+    return HeadTrainer(spec["model"], cfg.generation.drafter_training, device, refit_dtype, bf16)
