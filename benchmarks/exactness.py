@@ -150,12 +150,18 @@ def run_mode(group, model, cfg, mode: str, run: Run, args, bar) -> None:
         sched = schedule(mode, k_max, args.seed + 7919 * info["calls"])
         group.engine_rpc("rl_specdec_exactness", schedule=sched, catch_up=mode != "stale-drafter", take=True)
     deadline = time.monotonic() + 60 * args.minutes * run.time_share(mode, args)
-    while info["tokens"] < run.budget(mode, args) and time.monotonic() < deadline:
+    while info["tokens"] < run.budget(mode, args) and time.monotonic() < deadline and not run.stops.requested:
         call = info["calls"]
         prompts, sampling = calls(10_000 * (1 + list(MODES).index(mode)) + call)  # each mode its own steps
         before_call(group, mode, cfg, call, args)
         t0 = time.perf_counter()
-        out = group.generate(prompts, sampling)
+        try:
+            with run.stops.abandonable():  # Ctrl-C drops the call in flight: the saved calls are all kept
+                out = group.generate(prompts, sampling)
+        except KeyboardInterrupt:
+            if not run.stops.requested:
+                raise
+            break
         info["generate_s"] += time.perf_counter() - t0
         ctx = None
         if spec:
@@ -168,7 +174,7 @@ def run_mode(group, model, cfg, mode: str, run: Run, args, bar) -> None:
         info["tokens"], info["calls"] = info["tokens"] + got, call + 1
         run.save()
         bar.update(got)
-    if spec:
+    if spec and not run.stops.requested:
         group.engine_rpc("rl_specdec_exactness", schedule=None, catch_up=True)
     tally.explain(model)
     run.save()
@@ -179,6 +185,8 @@ def main(argv=None) -> int:
     if args.report:
         print(table(json.loads(Path(args.report).read_text())))
         return 0
+    from rl_specdec.grpo.stop import StopSignals, signal_name
+
     importable()
     if args.resume:
         run = Run.resume(Path(args.resume), args, SHARE, machine())
@@ -188,11 +196,17 @@ def main(argv=None) -> int:
     for m in args.modes:
         if run.info[m]["tokens"] < run.budget(m, args):
             by_engine.setdefault(MODES[m], []).append(m)
-    for engine, modes in by_engine.items():
-        run_engine(engine, modes, args, run)
+    again = f"python -m benchmarks exactness --resume {run.path} --tokens {args.tokens}"
+    with StopSignals(grace_s=120.0, resume_command=again) as run.stops:
+        for engine, modes in by_engine.items():
+            if not run.stops.requested:
+                run_engine(engine, modes, args, run)
     results = run.save()
     print(table(results))
-    print(f"written {run.path} (go on with --resume {run.path})", file=sys.stderr)
+    print(f"written {run.path}; to add tokens: {again}", file=sys.stderr)
+    if run.stops.requested:
+        print(f"stopped by {signal_name(run.stops.signum)}; nothing saved is lost", file=sys.stderr)
+        return 128 + run.stops.signum
     bad = [m for m, r in results["modes"].items() if m != "none" and r["max"] > results.get("bound", float("inf"))]
     return 1 if bad else 0
 
@@ -210,11 +224,14 @@ def run_engine(engine: str, modes: list[str], args, run: Run) -> None:
         if args.perturb_target and engine != "none":
             group.update_weights(perturbed(cfg.policy.model_name, args.perturb_target, 7), target="policy")
         for m in modes:
+            if run.stops.requested:
+                break
             budget, done = run.budget(m, args), run.info[m]["tokens"]
             with tqdm(total=budget, initial=done, desc=f"{args.pair} {m}", unit="tok", file=sys.stderr) as bar:
                 run_mode(group, model, cfg, m, run, args, bar)
-            r = run.results["modes"][m]
-            print(f"{m}: {r['tokens']} tokens, max {r['max']:.2e}", file=sys.stderr, flush=True)
+            r = run.results["modes"].get(m)
+            if r:
+                print(f"{m}: {r['tokens']} tokens, max {r['max']:.2e}", file=sys.stderr, flush=True)
     finally:
         group.shutdown()
 

@@ -27,6 +27,7 @@ class Run:
     def __init__(self, path: Path, results: dict, tallies: dict[str, ec.Tally], shares: dict[str, float]):
         self.path, self.results, self.tallies, self.shares = path, results, tallies, shares
         self.info = {m: results["counters"][m] for m in results["settings"]["modes"]}
+        self.stops = None  # the run's StopSignals while it runs (rl_specdec.grpo.stop)
 
     @classmethod
     def new(cls, args, shares: dict[str, float], machine: str) -> Run:
