@@ -180,6 +180,7 @@ class Tally:
         worst = [[d, n, item] for d, n, item in self.worst]
         js = {"by_kind": self.by_kind, "worst_heap": worst, "scale": self.scale, "n": self._n}
         diffs = np.concatenate(self.diffs) if self.diffs else np.zeros(0, np.float32)
+        self.diffs = [diffs]  # saved after every call: concatenate each call's tokens once, not on every save
         return js, {"diffs": diffs, "seq_means": np.asarray(self.seq_means, dtype=np.float64)}
 
     @classmethod
