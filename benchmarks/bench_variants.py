@@ -110,9 +110,9 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     # an EAGLE-3 head for the wide target (toy:wide-eagle3, trained at build), the controller choosing k in 0..5
     # (k=0 through vLLM's path); frozen, and trained online from the policy's update
     "wide eagle3 frozen": ("configs/grpo_spec_wide.yaml", WIDE_HEAD),
-    # learning_rate 1e-3 as measured in docs/performance.md (the default for a head is now 1e-4: at 1e-3 the
-    # head's acceptance fell step by step)
-    "wide eagle3 online": (
+    # at the head's default learning rate (1e-4), and at 1e-3, under which its acceptance fell step by step
+    "wide eagle3 online": ("configs/grpo_spec_wide.yaml", [*WIDE_HEAD, f"{DRAFTER}.enabled=true"]),
+    "wide eagle3 online 1e-3": (
         "configs/grpo_spec_wide.yaml",
         [*WIDE_HEAD, f"{DRAFTER}.enabled=true", f"{DRAFTER}.learning_rate=1e-3"],
     ),
@@ -162,7 +162,12 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
 QUICK_VARIANTS = ["grpo_base", "grpo_spec"]  # --quick: the shipped default against its baseline
 TRAINER_VARIANTS = {"grpo_spec policy 2x"}  # change the trainer, not the rollouts: kept out of the speculation verdicts
 # the drafter trains beside the policy on the same cores: their train phase differs by design, not by chance
-DRAFTER_VARIANTS = {"grpo_spec drafter online", "grpo_spec drafter light", "wide eagle3 online"}
+DRAFTER_VARIANTS = {
+    "grpo_spec drafter online",
+    "grpo_spec drafter light",
+    "wide eagle3 online",
+    "wide eagle3 online 1e-3",
+}
 # another precision changes the train phase and the rollouts: compared with their own baseline, kept out of the verdicts
 PRECISION_VARIANTS = set(precision_runs.VARIANTS)
 # overlap changes when each phase runs: compared within its pair, kept out of the pooling and the verdicts
