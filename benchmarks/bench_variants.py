@@ -167,6 +167,7 @@ DRAFTER_VARIANTS = {
     "grpo_spec drafter light",
     "wide eagle3 online",
     "wide eagle3 online 1e-3",
+    "smollm2 eagle3 online",
 }
 # another precision changes the train phase and the rollouts: compared with their own baseline, kept out of the verdicts
 PRECISION_VARIANTS = set(precision_runs.VARIANTS)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -31,9 +33,13 @@ def chain_one_base(head: Eagle3Head, aux, ids, embed, t: int, steps: int) -> lis
     return outs
 
 
-def test_training_time_test_equals_the_engines_chain():
+GQA = dataclasses.replace(SHAPE, num_key_value_heads=1)  # published heads group their queries
+
+
+@pytest.mark.parametrize("shape", [SHAPE, GQA], ids=["one key head per query head", "grouped-query"])
+def test_training_time_test_equals_the_engines_chain(shape):
     torch.manual_seed(0)
-    head = Eagle3Head(SHAPE).eval()
+    head = Eagle3Head(shape).eval()
     for p in head.parameters():  # norms away from 1 so a mixed-up norm shows
         torch.nn.init.normal_(p, 1.0 if p.dim() == 1 else 0.0, 0.3 if p.dim() == 1 else 0.1)
     t_len, steps = 12, 3
@@ -74,6 +80,68 @@ def test_head_names_are_the_ones_vllm_loads_and_never_the_targets():
     assert names["fc.weight"] == (64, 192) and names["midlayer.self_attn.q_proj.weight"] == (64, 128)
     assert "norm.weight" in names and "midlayer.hidden_norm.weight" in names
     assert not any(n.startswith(("embed_tokens", "lm_head", "model.")) for n in names)
+
+
+def test_a_draft_vocabulary_head_keeps_its_map_sends_its_own_lm_head_and_learns_over_its_tokens(tmp_path):
+    """EAGLE-3's draft vocabulary: the head's own LM head over n target tokens, mapped back by d2t (saved, never
+    sent); it learns the target's distribution renormalised over those tokens, and a target token outside them
+    never moves the loss."""
+    from rl_specdec.heads.eagle3 import load_head, save_head
+
+    torch.manual_seed(2)
+    keep = torch.tensor([1, 4, 5, 9, 20, 33])
+    lm_head, embed = torch.randn(40, 64), torch.randn(40, 64)
+    head = Eagle3Head(dataclasses.replace(SHAPE, draft_vocab_size=6))
+    head.set_draft_vocabulary(keep, lm_head)
+    assert torch.equal(head.draft_ids(), keep) and torch.equal(head.lm_head.weight, lm_head[keep])
+    sent = head.vllm_state_dict()
+    assert sent["lm_head.weight"].shape == (6, 64) and "d2t" not in sent
+    config = type("C", (), head.shape.config_json())()
+    assert config.draft_vocab_size == 6 and expected_head_tensors(config)["lm_head.weight"] == (6, 64)
+    save_head(head, tmp_path)
+    loaded = load_head(tmp_path)
+    assert torch.equal(loaded.draft_ids(), keep) and torch.equal(loaded.lm_head.weight, head.lm_head.weight)
+
+    aux, ids = torch.randn(2, 10, 3 * 64), torch.randint(0, 40, (2, 10))
+    target = torch.log_softmax(torch.randn(2, 10, 40) * 3, -1)
+    mask = torch.ones(2, 10)
+    elsewhere = target.clone()
+    elsewhere[..., 0] += 5.0  # mass on a token outside the draft vocabulary: renormalised away
+    first, _ = head_loss(head, aux, ids, target, mask, embed, lm_head, 2)
+    assert head_loss(head, aux, ids, elsewhere, mask, embed, lm_head, 2)[0].item() == pytest.approx(first.item())
+    opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+    for _ in range(60):
+        loss, agree = head_loss(head, aux, ids, target, mask, embed, lm_head, 2)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first.item() - 0.3 and min(agree) > 0.5
+    assert torch.equal(head.draft_ids(), keep)  # training moves the LM head, never the map
+
+
+def test_a_published_head_loads_with_its_grouped_query_attention_and_draft_vocabulary(tmp_path):
+    """A one-layer Llama EAGLE-3 head as published: no rl_specdec entry, no aux layers named (vLLM reads its
+    default ones of the target), grouped-query attention, a draft vocabulary with d2t and t2d, a .bin file."""
+    import json
+
+    from rl_specdec.heads.eagle3 import is_trainable_head, load_head
+
+    shape = dataclasses.replace(GQA, draft_vocab_size=6, aux_layer_ids=default_aux_layers(30))
+    torch.manual_seed(3)
+    head = Eagle3Head(shape)
+    head.set_draft_vocabulary(torch.tensor([1, 4, 5, 9, 20, 33]), torch.randn(40, 64))
+    config = {k: v for k, v in shape.config_json().items() if k not in ("rl_specdec_head", "eagle_config")}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.save({**head.vllm_state_dict(), "d2t": head.d2t, "t2d": torch.ones(40, dtype=torch.bool)}, tmp_path / "x.bin")
+    assert is_trainable_head(tmp_path)
+    loaded = load_head(tmp_path, target_layers=30)
+    assert loaded.shape == shape and loaded.midlayer.self_attn["k_proj"].weight.shape == (32, 128)
+    assert all(torch.equal(loaded.vllm_state_dict()[k], v) for k, v in head.vllm_state_dict().items())
+    assert torch.equal(loaded.draft_ids(), head.draft_ids())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    assert not is_trainable_head(tmp_path)
+    with pytest.raises(ValueError, match="it has 2 layer"):
+        load_head(tmp_path, target_layers=30)
 
 
 @pytest.mark.parametrize(("layers", "ids"), [(30, (2, 15, 27)), (36, (2, 18, 33)), (8, (2, 4, 5)), (4, (1, 2, 3))])

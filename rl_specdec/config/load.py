@@ -152,6 +152,7 @@ def _toy_model(name: str, key: str) -> tuple[str, str] | None:
 def check_engine_args(cfg: RunConfig) -> None:
     """vLLM's gate, the ``toy:*`` names, and ``vllm_kwargs`` against vLLM's declarations, its RL defaults filled
     in. No model file is read and nothing is fetched: a hub id is a name here."""
+    from rl_specdec.config.speculation import check_trainable_method
     from rl_specdec.config.vllm_kwargs import validate_vllm_kwargs
     from rl_specdec.vllm_ext import check_vllm
 
@@ -159,6 +160,7 @@ def check_engine_args(cfg: RunConfig) -> None:
     check_vllm(gen.allow_untested_vllm, gen.vllm_hook_features())  # before anything else reads vLLM
     _check_name(cfg.policy.model_name, "policy.model_name")
     gen.vllm_kwargs = validate_vllm_kwargs(gen.vllm_kwargs, None, training=True)
+    check_trainable_method(gen)  # after vLLM's check: an unknown method is named as vLLM's, not as untrainable
     spec = gen.vllm_kwargs.get("speculative_config")
     if spec and spec.get("model"):
         _check_name(spec["model"], DRAFTER_KEY)
@@ -221,13 +223,20 @@ def resolve_model_paths(cfg: RunConfig) -> None:
 
 
 def _check_trainable_head(folder: str) -> None:
-    from rl_specdec.heads.eagle3 import is_trainable_head
+    import json
 
-    if os.path.isdir(folder) and not is_trainable_head(folder):
+    from rl_specdec.heads.eagle3 import untrainable
+
+    path = Path(folder) / "config.json"
+    if not os.path.isdir(folder):  # a hub id: read when the policy workers load it
+        return
+    why = untrainable(json.loads(path.read_text()) if path.is_file() else {})
+    if why:
         raise ConfigError(
-            f"{DRAFTER_KEY}={folder!r} with policy.generation.drafter_training.enabled=true: online training needs an "
-            "EAGLE-3 head rl_specdec wrote (its config.json has 'rl_specdec_head'): use toy:eagle3 or "
-            "toy:wide-eagle3, or set drafter_training.enabled=false to serve this head frozen."
+            f"{DRAFTER_KEY}={folder!r} with policy.generation.drafter_training.enabled=true: the trainer cannot "
+            f"train this head ({why}). Use a one-layer Llama EAGLE-3 head, or one built here (toy:eagle3, "
+            "toy:wide-eagle3, pkg:smollm2-135m-instruct-eagle3), or set drafter_training.enabled=false to serve "
+            "this head frozen."
         )
 
 

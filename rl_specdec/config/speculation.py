@@ -81,6 +81,15 @@ def validate_drafter_training(gen: GenerationConfig) -> None:
         raise ConfigError(
             f"{KEY}.drafter_training.top_k={d.top_k} must be in 1..20 (vLLM returns at most 20 log-probs per token)"
         )
+    _positive(f"{KEY}.drafter_training.chain_steps", d.chain_steps)
+
+
+def check_trainable_method(gen: GenerationConfig) -> None:
+    """``drafter_training`` on a method it can train; run after vLLM's own check of the method's name."""
+    spec = gen.vllm_kwargs.get("speculative_config") or {}
+    method = spec.get("method")
+    if not gen.drafter_training.enabled:
+        return
     if method is None:
         raise ConfigError(
             f"{KEY}.drafter_training.enabled=true needs speculation: set {KEY}.vllm_kwargs.speculative_config "
@@ -93,7 +102,6 @@ def validate_drafter_training(gen: GenerationConfig) -> None:
             f"Online drafter training needs method: draft_model or eagle3; set {KEY}.drafter_training.enabled=false "
             f"for {method}."
         )
-    _positive(f"{KEY}.drafter_training.chain_steps", d.chain_steps)
 
 
 def validate_speculation_control(gen: GenerationConfig) -> None:

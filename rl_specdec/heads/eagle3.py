@@ -50,6 +50,15 @@ class HeadShape:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
+    # 0: the head drafts over the target's whole vocabulary through the target's own LM head. n > 0: over n of
+    # its tokens, through the head's own LM head [n, H], mapped to the target's ids by ``d2t`` (EAGLE-3's draft
+    # vocabulary): on a wide vocabulary the LM head is most of the head's pass
+    draft_vocab_size: int = 0
+    num_key_value_heads: int = 0  # 0: one per attention head; fewer: grouped-query attention (published heads)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
 
     @classmethod
     def for_target(cls, target_config, intermediate_size: int | None = None) -> HeadShape:
@@ -69,14 +78,14 @@ class HeadShape:
         )
 
     def config_json(self) -> dict:
-        """vLLM's view of the head (``draft_vocab_size`` = the target's vocabulary: no ``d2t`` mapping)."""
+        """vLLM's view of the head (``draft_vocab_size`` = the target's vocabulary unless it has its own)."""
         return {
             "architectures": [HEAD_ARCHITECTURE],
             "model_type": "llama",
             "hidden_size": self.hidden_size,
             "target_hidden_size": self.hidden_size,
             "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_attention_heads,
+            "num_key_value_heads": self.kv_heads,
             "head_dim": self.head_dim,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": 1,
@@ -85,7 +94,7 @@ class HeadShape:
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size or self.vocab_size,
             "tie_word_embeddings": False,
             "torch_dtype": "float32",
             # the Llama head reads the aux count from here only; the engine reads the ids from here too
@@ -94,10 +103,15 @@ class HeadShape:
         }
 
     @classmethod
-    def from_config(cls, config) -> HeadShape:
-        """The shape of an EAGLE-3 head from its config object (transformers' or vLLM's, which wraps it)."""
-        ids = ((getattr(config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")) or (0, 0, 0)
+    def from_config(cls, config, target_layers: int | None = None) -> HeadShape:
+        """The shape of an EAGLE-3 head from its config object (transformers' or vLLM's, which wraps it). A head
+        that names no aux layers reads vLLM's default ones of a target with ``target_layers`` layers."""
+        ids = (getattr(config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+        ids = ids or (default_aux_layers(target_layers) if target_layers else (0, 0, 0))
         heads = config.num_attention_heads
+        draft = getattr(config, "draft_vocab_size", None) or config.vocab_size
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        rope = getattr(config, "rope_parameters", None) or {}
         return cls(
             hidden_size=config.hidden_size,
             num_attention_heads=heads,
@@ -105,19 +119,44 @@ class HeadShape:
             intermediate_size=config.intermediate_size,
             vocab_size=config.vocab_size,
             aux_layer_ids=tuple(ids),
+            draft_vocab_size=0 if draft == config.vocab_size else draft,
+            num_key_value_heads=0 if kv == heads else kv,
+            rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)),
+            max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
         )
 
     @classmethod
-    def read(cls, folder: str | Path) -> HeadShape:
+    def read(cls, folder: str | Path, target_layers: int | None = None) -> HeadShape:
+        """The shape of the head in ``folder``: one written here, or a published one-layer Llama EAGLE-3 head."""
         path = Path(folder) / "config.json"
-        raw = json.loads(path.read_text()).get("rl_specdec_head") if path.is_file() else None
-        if raw is None:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        if "rl_specdec_head" in config:
+            raw = config["rl_specdec_head"]
+            return cls(**{**raw, "aux_layer_ids": tuple(raw["aux_layer_ids"])})
+        why = untrainable(config)
+        if why:
             raise ValueError(
-                f"{folder} is not an EAGLE-3 head rl_specdec can train: its config.json has no 'rl_specdec_head' "
-                "entry. Train a head built here (toy:eagle3, toy:wide-eagle3, or one saved with "
-                "rl_specdec.heads.eagle3.save_head), or set drafter_training.enabled=false to serve this one frozen."
+                f"{folder} is not an EAGLE-3 head rl_specdec can train: {why}. Train a head built here "
+                "(toy:eagle3, toy:wide-eagle3, pkg:smollm2-135m-instruct-eagle3, or one saved with "
+                "rl_specdec.heads.eagle3.save_head) or a one-layer Llama EAGLE-3 head, or set "
+                "drafter_training.enabled=false to serve this one frozen."
             )
-        return cls(**{**raw, "aux_layer_ids": tuple(raw["aux_layer_ids"])})
+        return cls.from_config(type("HeadConfig", (), config)(), target_layers)
+
+
+def untrainable(config: dict) -> str:
+    """Why a head's ``config.json`` (a dict) is not one :class:`Eagle3Head` mirrors ("" if it is)."""
+    if not config:
+        return "it has no config.json"
+    if "rl_specdec_head" in config:
+        return ""
+    if "Eagle3" not in " ".join(config.get("architectures") or []):
+        return f"its architectures {config.get('architectures')} are not an EAGLE-3 head's"
+    odd = [k for k in ("norm_before_fc", "fc_norm", "parallel_drafting") if config.get(k)]
+    if config.get("num_hidden_layers", 1) != 1 or odd:
+        return f"it has {config.get('num_hidden_layers', 1)} layer(s) and {odd or 'no'} options the trainer lacks"
+    return ""
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -131,9 +170,9 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 
 
 def is_trainable_head(folder: str | Path) -> bool:
-    """A head folder this package wrote (its own weights only, in the shape it trains)."""
+    """A head folder the trainer can load: one this package wrote, or a published one-layer Llama EAGLE-3 head."""
     path = Path(folder) / "config.json"
-    return path.is_file() and "rl_specdec_head" in json.loads(path.read_text())
+    return path.is_file() and not untrainable(json.loads(path.read_text()))
 
 
 def is_eagle3_config(config) -> bool:
@@ -169,13 +208,14 @@ class Eagle3Head(nn.Module):
 
     def __init__(self, shape: HeadShape):
         super().__init__()
-        h, q = shape.hidden_size, shape.num_attention_heads * shape.head_dim
+        h, q, kv = shape.hidden_size, shape.num_attention_heads * shape.head_dim, shape.kv_heads * shape.head_dim
         self.shape = shape
         self.fc = nn.Linear(h * len(shape.aux_layer_ids), h, bias=False)
         self.midlayer = nn.Module()
         m = self.midlayer
         m.hidden_norm, m.input_layernorm, m.post_attention_layernorm = (nn.Parameter(torch.ones(h)) for _ in "abc")
-        m.self_attn = nn.ModuleDict({n: nn.Linear(2 * h, q, bias=False) for n in ("q_proj", "k_proj", "v_proj")})
+        m.self_attn = nn.ModuleDict({n: nn.Linear(2 * h, d, bias=False) for n, d in (("q_proj", q), ("k_proj", kv))})
+        m.self_attn["v_proj"] = nn.Linear(2 * h, kv, bias=False)
         m.self_attn["o_proj"] = nn.Linear(q, h, bias=False)
         m.mlp = nn.ModuleDict(
             {
@@ -185,14 +225,31 @@ class Eagle3Head(nn.Module):
             }
         )
         self.norm = nn.Parameter(torch.ones(h))
+        if shape.draft_vocab_size:  # its own LM head; d2t: draft index i is the target's token i + d2t[i]
+            self.lm_head = nn.Linear(h, shape.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(shape.draft_vocab_size, dtype=torch.long))
 
     def vllm_state_dict(self) -> dict[str, torch.Tensor]:
-        """The head's tensors under the names vLLM's ``load_weights`` takes (norms end in ``.weight``)."""
-        return {(k if k.endswith(".weight") else k + ".weight"): v for k, v in self.state_dict().items()}
+        """The head's trained tensors under the names vLLM's ``load_weights`` takes (norms end in ``.weight``):
+        what a refit sends. ``d2t`` is fixed when the head is built, so it is saved but never sent."""
+        return {(k if k.endswith(".weight") else k + ".weight"): v for k, v in self.named_parameters()}
 
     def load_vllm_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        own = {k: k if k.endswith(".weight") else k + ".weight" for k in self.state_dict()}
-        self.load_state_dict({k: tensors[v] for k, v in own.items()})
+        own = {k: k if k.endswith(".weight") else k + ".weight" for k, _ in self.named_parameters()}
+        state = {k: tensors[v] for k, v in own.items()}
+        if self.shape.draft_vocab_size:  # a saved head has its d2t; a refit's tensors keep the one it has
+            state["d2t"] = tensors.get("d2t", self.d2t)
+        self.load_state_dict(state)
+
+    def draft_ids(self) -> torch.Tensor:
+        """The target's token id of each draft index [n] (only with a draft vocabulary)."""
+        return torch.arange(self.shape.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def set_draft_vocabulary(self, token_ids: torch.Tensor, target_lm_head: torch.Tensor) -> None:
+        """Draft over ``token_ids`` (the target's ids, ascending), starting from the target's own LM head rows."""
+        with torch.no_grad():
+            self.d2t.copy_(token_ids - torch.arange(len(token_ids)))
+            self.lm_head.weight.copy_(target_lm_head[token_ids])
 
     def _layer(self, emb, g, keys, values, positions, mask):
         """One chain step: emb, g [B, T, H] -> (pre-norm output [B, T, H], this step's key and value)."""
@@ -200,13 +257,15 @@ class Eagle3Head(nn.Module):
         eps, (b, t, _) = s.rms_norm_eps, g.shape
         x = torch.cat([rms_norm(emb, m.input_layernorm, eps), rms_norm(g, m.hidden_norm, eps)], -1)  # [B, T, 2H]
 
-        def split(y):  # [B, T, heads*D] -> [B, heads, T, D]
-            return y.view(b, t, s.num_attention_heads, s.head_dim).transpose(1, 2)
+        def split(y, heads):  # [B, T, heads*D] -> [B, heads, T, D]
+            return y.view(b, t, heads, s.head_dim).transpose(1, 2)
 
-        q = rotate(split(a["q_proj"](x)), positions, s.rope_theta)
-        k = rotate(split(a["k_proj"](x)), positions, s.rope_theta)
-        v = split(a["v_proj"](x))
-        ks, vs = torch.cat(keys + [k], 2), torch.cat(values + [v], 2)  # [B, heads, (j+1)T, D]
+        q = rotate(split(a["q_proj"](x), s.num_attention_heads), positions, s.rope_theta)
+        k = rotate(split(a["k_proj"](x), s.kv_heads), positions, s.rope_theta)
+        v = split(a["v_proj"](x), s.kv_heads)
+        ks, vs = torch.cat(keys + [k], 2), torch.cat(values + [v], 2)  # [B, kv heads, (j+1)T, D]
+        group = s.num_attention_heads // s.kv_heads  # query head i reads key head i // group, as vLLM's GQA
+        ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)  # [B, heads, (j+1)T, D]
         att = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask)  # [B, heads, T, D]
         residual = a["o_proj"](att.transpose(1, 2).reshape(b, t, -1)) + g
         h = rms_norm(residual, m.post_attention_layernorm, eps)
@@ -239,16 +298,23 @@ def head_loss(head: Eagle3Head, aux, input_ids, target_logp, mask, embed, lm_hea
 
     target_logp [B, T, V]: the target's log-probs of token t+1 given the prefix up to t (its logits at t),
     detached; mask [B, T]: 1 where row t of ``target_logp`` is a response position to learn. Step j's row t
-    predicts x_{t+j+1}, whose distribution is target_logp[:, t+j]. Returns (loss, per-step top-1 agreement)."""
+    predicts x_{t+j+1}, whose distribution is target_logp[:, t+j]. A head with a draft vocabulary uses its own
+    LM head and learns the target's distribution over that vocabulary, renormalised. Returns (loss, per-step
+    top-1 agreement)."""
+    own = head.shape.draft_vocab_size > 0
+    weight, keep = (head.lm_head.weight, head.draft_ids()) if own else (lm_head, None)
     total, agree = 0.0, []
     for j, out in enumerate(head(aux, input_ids, embed, steps)):
         shift = j + 1
-        logp = F.log_softmax(out[:, :-shift] @ lm_head.T, -1)  # [B, T-j-1, V]
-        tgt, m = target_logp[:, shift:], mask[:, shift:]  # [B, T-j-1, V], [B, T-j-1]
-        ce = -(tgt.exp() * logp).sum(-1)
-        denom = m.sum().clamp(min=1)
-        total = total + (ce * m).sum() / denom
-        agree.append(float(((logp.argmax(-1) == tgt.argmax(-1)).float() * m).sum() / denom))
+        rows = mask[:, shift:] > 0  # [B, T-j-1]: only these reach the LM head, the dear matmul on a wide vocabulary
+        logp = F.log_softmax(out[:, :-shift][rows] @ weight.T, -1)  # [R, V or n]
+        tgt, w = target_logp[:, shift:][rows].float(), mask[:, shift:][rows]  # [R, V] (bf16 in a build pool), [R]
+        if own:
+            tgt = F.log_softmax(tgt[:, keep], -1)  # [R, n]
+        ce = -(tgt.exp() * logp).sum(-1)  # [R]
+        denom = w.sum().clamp(min=1)
+        total = total + (ce * w).sum() / denom
+        agree.append(float(((logp.argmax(-1) == tgt.argmax(-1)).float() * w).sum() / denom))
     return total / steps, agree
 
 
@@ -273,12 +339,26 @@ def save_head(head: Eagle3Head, folder: str | Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(head.shape.config_json(), indent=2))
     tensors = {k: v.detach().float().contiguous() for k, v in head.vllm_state_dict().items()}
+    if head.shape.draft_vocab_size:
+        tensors["d2t"] = head.d2t.detach().cpu().contiguous()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def load_head(folder: str | Path) -> Eagle3Head:
+def load_head(folder: str | Path, target_layers: int | None = None) -> Eagle3Head:
+    """The head in ``folder`` (or a hub id, fetched as vLLM fetches it): its weights, its ``d2t`` map if any.
+    ``target_layers``: the target's layer count, for a published head that names no aux layers."""
     from safetensors.torch import load_file
 
-    head = Eagle3Head(HeadShape.read(folder))
-    head.load_vllm_state_dict(load_file(str(Path(folder) / "model.safetensors")))
+    if not Path(folder).is_dir():  # a hub id (GPU users): the same files the engines load
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(str(folder), allow_patterns=["config.json", "*.safetensors", "*.bin"])
+    head = Eagle3Head(HeadShape.read(folder, target_layers))
+    files = sorted(Path(folder).glob("*.safetensors"))
+    tensors = {}
+    for f in files or sorted(Path(folder).glob("*.bin")):
+        tensors.update(load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, weights_only=True))
+    if "embed_tokens.weight" in tensors:  # vLLM would draft with this copy; the trainer uses the target's
+        raise ValueError(f"{folder} holds its own embed_tokens: the trainer learns a head that shares the target's")
+    head.load_vllm_state_dict(tensors)  # a published head's t2d (the inverse of d2t) is not needed
     return head

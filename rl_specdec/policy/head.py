@@ -33,9 +33,9 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 
 class HeadTrainer:
-    def __init__(self, folder: str, training, device: torch.device, refit_dtype: torch.dtype, bf16: bool = False):
+    def __init__(self, folder: str, training, device, refit_dtype, bf16: bool = False, target_layers=None):
         self.bf16 = bf16  # the policy computes in bf16: so does the head (its weights and AdamW stay fp32)
-        self.head = load_head(folder).to(device).train()
+        self.head = load_head(folder, target_layers).to(device).train()
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=training.lr_for("eagle3"), weight_decay=0.0)
         self.every, self.chain_steps, self.refit_dtype = training.every, training.chain_steps, refit_dtype
         self.updates_seen = 0  # policy updates so far: the schedule counts them

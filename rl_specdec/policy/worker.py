@@ -127,8 +127,10 @@ class PolicyWorker:
         master, frozen = precision.MASTER[cfg.precision], precision.COMPUTE[cfg.precision]
         # AdamW's state takes the parameters' dtype
         adamw = functools.partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-        self._attach(self._load(master), adamw, functools.partial(self._load, frozen) if self.keep_reference else None)
-        self.head = trained_head(cfg, self.device, self.refit_dtype)
+        model = self._load(master)
+        layers = model.config.num_hidden_layers
+        self._attach(model, adamw, functools.partial(self._load, frozen) if self.keep_reference else None)
+        self.head = trained_head(cfg, self.device, self.refit_dtype, layers)
 
     def _load(self, dtype: str) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -314,12 +316,13 @@ class PolicyWorker:
         return self.head.state_dict_for_refit() if self.head is not None else None
 
 
-def trained_head(cfg: PolicyConfig, device: torch.device, refit_dtype: torch.dtype):
-    """The head this worker trains: drafter_training on an eagle3 engine; else None."""
+def trained_head(cfg: PolicyConfig, device: torch.device, refit_dtype: torch.dtype, target_layers: int):
+    """The head this worker trains: drafter_training on an eagle3 engine; else None. ``target_layers``: the
+    policy's, for a published head that names no aux layers (vLLM then reads its default ones)."""
     spec = cfg.generation.vllm_kwargs.get("speculative_config") or {}
     if not (cfg.generation.drafter_training.enabled and spec.get("method") == "eagle3"):
         return None
     from rl_specdec.policy.head import HeadTrainer
 
     bf16 = precision.COMPUTE[cfg.precision] == "bfloat16"
-    return HeadTrainer(spec["model"], cfg.generation.drafter_training, device, refit_dtype, bf16)
+    return HeadTrainer(spec["model"], cfg.generation.drafter_training, device, refit_dtype, bf16, target_layers)

@@ -14,6 +14,10 @@ quantisation entry, the tokenizer with its chat template, the generation
 config) under ``$RL_SPECDEC_CACHE/packaged/``, written atomically as the toys
 are. From then on the engines and the trainer load that folder exactly as a
 user's checkpoint, each casting to the dtype ``policy.precision`` gives it.
+
+``pkg:<name>-eagle3`` is an EAGLE-3 head for that model, built the first time
+inside its folder (``rl_specdec.toy.heads.build_chat_head``: trained on the
+model's own answers to the chat task) and named where a drafter goes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from rl_specdec.errors import ConfigError
 from rl_specdec.toy.build import cache_root, write_atomically
 
 PKG_PREFIX = "pkg:"
+HEAD_SUFFIX = "-eagle3"  # pkg:<model>-eagle3: an EAGLE-3 head for the model, built here the first time
 BUILD_VERSION = 1  # bump when the conversion changes: a new cache folder
 
 
@@ -48,9 +53,9 @@ PACKAGED_MODELS = {
 
 
 def _model(name: str, key: str) -> PackagedModel:
-    which = name[len(PKG_PREFIX) :]
+    which = name[len(PKG_PREFIX) :].removesuffix(HEAD_SUFFIX)
     if which not in PACKAGED_MODELS:
-        known = ", ".join(PKG_PREFIX + m for m in PACKAGED_MODELS)
+        known = ", ".join(PKG_PREFIX + m + tail for m in PACKAGED_MODELS for tail in ("", HEAD_SUFFIX))
         raise ConfigError(f"{key}={name!r}: the packaged models are {known}")
     return PACKAGED_MODELS[which]
 
@@ -103,7 +108,8 @@ def packaged_model_path(name: str, key: str, build: bool = True) -> str:
     gguf = find_gguf(model, key)
     if not build:
         return name
-    tag = f"{name[len(PKG_PREFIX) :]}-{_version(model)}-{gguf.stat().st_size}-v{BUILD_VERSION}"
+    base = name.removesuffix(HEAD_SUFFIX)
+    tag = f"{base[len(PKG_PREFIX) :]}-{_version(model)}-{gguf.stat().st_size}-v{BUILD_VERSION}"
     root = cache_root() / "packaged" / tag
     if not (root / "DONE").exists():
         t0 = time.time()
@@ -113,5 +119,9 @@ def packaged_model_path(name: str, key: str, build: bool = True) -> str:
             (tmp / "DONE").write_text(f"{gguf}\n")
 
         write_atomically(root, write)
-        print(f"[{name}] dequantised {gguf.name} into {root} in {time.time() - t0:.0f}s", flush=True)
+        print(f"[{base}] dequantised {gguf.name} into {root} in {time.time() - t0:.0f}s", flush=True)
+    if name.endswith(HEAD_SUFFIX):
+        from rl_specdec.toy.heads import build_chat_head
+
+        return str(build_chat_head(root, log=lambda m: print(m, flush=True)))
     return str(root)
