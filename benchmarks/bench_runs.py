@@ -186,20 +186,15 @@ def pool_train_time(stats: dict[str, dict]) -> None:
     keeps the cost speculation can change (generation) and averages out the one it
     cannot (a control variate).
     """
-    for two, fam in ((False, ""), (True, ""), (False, "longtail"), (False, "wide")):
-        group = [
-            n
-            for n in stats
-            if ("2x1" in n) == two
-            and family(n) == fam
-            and n not in TRAINER_VARIANTS | DRAFTER_VARIANTS | PRECISION_VARIANTS | OVERLAP_VARIANTS
-        ]
-        if group:
-            pooled = statistics.fmean(stats[n]["train_s"] for n in group)
-            for n in group:
-                stats[n]["step_pooled_s"] = stats[n]["step_mean_s"] - stats[n]["train_s"] + pooled
+    own = TRAINER_VARIANTS | DRAFTER_VARIANTS | PRECISION_VARIANTS | OVERLAP_VARIANTS
+    layouts = {("2x1" in n, family(n)) for n in stats if n not in own}  # every workload, the real model's too
+    for two, fam in layouts:
+        group = [n for n in stats if ("2x1" in n) == two and family(n) == fam and n not in own]
+        pooled = statistics.fmean(stats[n]["train_s"] for n in group)
+        for n in group:
+            stats[n]["step_pooled_s"] = stats[n]["step_mean_s"] - stats[n]["train_s"] + pooled
     # their train phase is what they change: pooled only with itself
-    for n in (TRAINER_VARIANTS | DRAFTER_VARIANTS | PRECISION_VARIANTS | OVERLAP_VARIANTS) & set(stats):
+    for n in own & set(stats):
         stats[n]["step_pooled_s"] = stats[n]["step_mean_s"]
 
 

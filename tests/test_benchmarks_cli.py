@@ -149,3 +149,25 @@ def test_machine_label_names_vendor_family_cores_and_best_vector_extension(monke
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H100 80GB HBM3")
     assert sysinfo.machine_label() == "NVIDIA H100 80GB HBM3"
+
+
+def test_train_phase_is_pooled_within_each_workload_and_kept_for_variants_that_change_it():
+    """The real model's variants pool their train phase like the wide pair's; a variant whose train phase holds its
+    own work (the head trained online) keeps its own, and no workload's mean leaks into another's."""
+    from bench_runs import pool_train_time
+
+    def run(step, train):
+        return {"step_mean_s": step, "train_s": train}
+
+    stats = {
+        "smollm2 base": run(60.0, 46.0),
+        "smollm2 eagle3 frozen": run(70.0, 44.0),
+        "smollm2 eagle3 online": run(77.0, 47.0),
+        "wide base": run(18.0, 11.0),
+        "wide adaptive": run(17.0, 13.0),
+    }
+    pool_train_time(stats)
+    assert stats["smollm2 base"]["step_pooled_s"] == pytest.approx(60.0 - 46.0 + 45.0)
+    assert stats["smollm2 eagle3 frozen"]["step_pooled_s"] == pytest.approx(70.0 - 44.0 + 45.0)
+    assert stats["smollm2 eagle3 online"]["step_pooled_s"] == 77.0
+    assert stats["wide adaptive"]["step_pooled_s"] == pytest.approx(17.0 - 13.0 + 12.0)
