@@ -187,9 +187,11 @@ def pool_train_time(stats: dict[str, dict]) -> None:
     cannot (a control variate).
     """
     own = TRAINER_VARIANTS | DRAFTER_VARIANTS | PRECISION_VARIANTS | OVERLAP_VARIANTS
-    layouts = {("2x1" in n, family(n)) for n in stats if n not in own}  # every workload, the real model's too
-    for two, fam in layouts:
-        group = [n for n in stats if ("2x1" in n) == two and family(n) == fam and n not in own]
+    groups: dict[tuple[bool, str], list[str]] = {}  # engine layout and workload (the real model's too) -> variants
+    for n in stats:
+        if n not in own:
+            groups.setdefault(("2x1" in n, family(n)), []).append(n)
+    for group in groups.values():
         pooled = statistics.fmean(stats[n]["train_s"] for n in group)
         for n in group:
             stats[n]["step_pooled_s"] = stats[n]["step_mean_s"] - stats[n]["train_s"] + pooled
