@@ -26,7 +26,7 @@ HISTORY = 6  # engine steps of k kept in a token's context
 def recompute(model, prompts, completions, micro_batch_size: int, pad_id: int) -> list[list[float]]:
     """log p(completion_t | prompt, completion_<t) per token, batched as the GRPO trainer batches (fp32)."""
     from rl_specdec.grpo.batch import Trajectory, build_train_batch
-    from rl_specdec.policy.worker import token_logprobs_and_entropy
+    from rl_specdec.policy.scoring import token_logprobs_and_entropy
 
     trajs = [Trajectory.single_turn(p, c, [0.0] * len(c)) for p, c in zip(prompts, completions)]
     batch = build_train_batch(trajs, torch.zeros(len(trajs)), pad_id)

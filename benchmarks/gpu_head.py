@@ -54,8 +54,8 @@ def update(head, opt, batch, steps: int, bf16: bool) -> float:
     """One micro-batch's ``HeadTrainer.learn`` (its own loss function) and the head's step (``end``)."""
     ids, aux, logits, mask, embed, lm_head = batch
     states = dict(zip(head.shape.aux_layer_ids, aux))  # the policy's hidden states the head reads
-    logp = F.log_softmax(logits[:, :-1].float(), -1)  # [n, T-1, V]: the policy's next-token log-probs
     mb = {"input_ids": ids, "loss_mask": mask[:, 1:]}  # [n, T-1]: token t+1 is a response token
+    logp = F.log_softmax(logits[:, :-1][mb["loss_mask"] > 0].float(), -1)  # [M, V]: the policy's, at those
     loss, _, _ = micro_batch_loss(head, states, logp, mb, embed, lm_head, steps, bf16)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

@@ -87,7 +87,7 @@ def test_under_bf16_compute_the_head_runs_its_matmuls_in_bf16_and_keeps_fp32_wei
     h, v, n, t = head.shape.hidden_size, head.shape.vocab_size, 2, 12
     g = torch.Generator().manual_seed(0)
     states = [torch.randn(n, t, h, generator=g) for _ in range(max(head.shape.aux_layer_ids) + 1)]
-    logp = torch.log_softmax(torch.randn(n, t - 1, v, generator=g), -1)  # [n, T-1, V]
+    logp = torch.log_softmax(torch.randn(n * (t - 1), v, generator=g), -1)  # [M, V]: every position a response
     mb = {"input_ids": torch.randint(0, v, (n, t), generator=g), "loss_mask": torch.ones(n, t - 1)}
     embed, lm_head = torch.randn(v, h, generator=g) * 0.1, torch.randn(v, h, generator=g) * 0.1
     fp32, _, tokens = micro_batch_loss(head, states, logp, mb, embed, lm_head, 3, bf16=False)

@@ -1,5 +1,7 @@
 """The torch policy worker in-process on the toy policy: micro-batching must not change results."""
 
+import math
+
 import torch
 
 from rl_specdec.config import PolicyConfig
@@ -166,3 +168,35 @@ def test_worker_refuses_an_unresolved_config():
 
     with pytest.raises(ValueError, match="resolved once"):
         PolicyWorker(PolicyConfig(model_name="x"))
+
+
+def padded_tokens(lengths: list[int], bounds: list[int]) -> int:
+    return sum((b - a) * lengths[a] for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+def test_balanced_split_finds_the_least_padding_within_the_budget():
+    """Against every way to cut a few sorted rows: the fewest padded tokens, the count asked for, no
+    micro-batch over the budget; and on a long-tailed batch, far less padding than even slices."""
+    import itertools
+    import random
+
+    from rl_specdec.policy.worker import balanced_split
+
+    rng = random.Random(0)
+    for _ in range(30):
+        n, parts = rng.randint(2, 9), rng.randint(1, 4)
+        lengths = sorted((rng.randint(1, 50) for _ in range(n)), reverse=True)
+        size = math.ceil(n / parts)
+        budget = size * lengths[0]
+        bounds = balanced_split(lengths, parts, budget)
+        assert bounds[0] == 0 and bounds[-1] == n and len(bounds) == min(parts, n) + 1
+        assert all(b > a and (b - a) * lengths[a] <= budget for a, b in zip(bounds[:-1], bounds[1:]))
+        cuts = (
+            [0, *c, n]
+            for c in itertools.combinations(range(1, n), min(parts, n) - 1)
+            if all((b - a) * lengths[a] <= budget for a, b in zip([0, *c], [*c, n]))
+        )
+        assert padded_tokens(lengths, bounds) == min(padded_tokens(lengths, c) for c in cuts)
+    tail = [400] + [20] * 31  # one long rollout among short ones, 4 micro-batches of 8
+    even = [0, 8, 16, 24, 32]
+    assert padded_tokens(tail, balanced_split(tail, 4, 8 * 400)) == 400 + 31 * 20 < padded_tokens(tail, even) / 3

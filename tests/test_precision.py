@@ -24,7 +24,7 @@ from rl_specdec.config import PolicyConfig
 from rl_specdec.config.generation import GenerationConfig
 from rl_specdec.grpo import ClippedPGLoss
 from rl_specdec.grpo.batch import Trajectory, build_train_batch
-from rl_specdec.policy import PolicyWorker, token_logprobs_and_entropy
+from rl_specdec.policy import PolicyWorker, scoring, token_logprobs_and_entropy
 
 LOSS = ClippedPGLoss(0.2, kl_coef=0.05)  # runs the frozen reference too
 LR = 1e-4
@@ -54,16 +54,25 @@ def started(path, precision: str, engines: str | None = None, **kw) -> PolicyWor
     return w
 
 
-def linear_output_dtypes(worker: PolicyWorker, batch) -> dict[str, set]:
-    """The dtypes the policy's and the reference's matmuls produce over one train step."""
-    seen: dict[str, set] = {"policy": set(), "reference": set()}
+def linear_output_dtypes(worker: PolicyWorker, batch, monkeypatch) -> dict[str, set]:
+    """The dtypes the policy's and the reference's matmuls produce over one train step (the LM heads' in the
+    chunks that score the response tokens, rl_specdec.policy.scoring)."""
+    seen: dict[str, set] = {"policy": set(), "reference": set(), "lm_head": set()}
     hooks = [
         m.register_forward_hook(lambda _m, _i, out, key=key: seen[key].add(out.dtype))
         for key, model in (("policy", worker.model), ("reference", worker.ref))
         for m in model.modules()
-        if isinstance(m, torch.nn.Linear)
+        if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()
     ]
+
+    def recorded(h, w, b):
+        out = scoring.F.linear(h, w, b)
+        seen["lm_head"].add(out.dtype)
+        return out
+
+    monkeypatch.setattr(scoring, "lm_head_logits", recorded)
     worker.train_step(batch, LOSS)
+    monkeypatch.undo()
     for h in hooks:
         h.remove()
     return seen
@@ -84,13 +93,14 @@ def first_step_error(toy, tokenizer, seed: int) -> float:
     return ((g16 - g32).norm() / g32.norm()).item()
 
 
-def test_bf16_mixed_keeps_fp32_master_weights_and_computes_in_bf16(toy, tokenizer):
+def test_bf16_mixed_keeps_fp32_master_weights_and_computes_in_bf16(toy, tokenizer, monkeypatch):
     batch = make_batch(tokenizer, seed=1)
     fp32, mixed = started(toy.policy, "fp32"), started(toy.policy, "bf16-mixed")
     before = {n: p.detach().clone() for n, p in mixed.model.named_parameters()}
     assert dtypes(mixed.model.parameters()) == {torch.float32} and dtypes(mixed.ref.parameters()) == {torch.bfloat16}
-    assert linear_output_dtypes(mixed, batch) == {"policy": {torch.bfloat16}, "reference": {torch.bfloat16}}
-    assert linear_output_dtypes(fp32, batch) == {"policy": {torch.float32}, "reference": {torch.float32}}
+    bf16, fp32_ = {torch.bfloat16}, {torch.float32}
+    assert linear_output_dtypes(mixed, batch, monkeypatch) == {"policy": bf16, "reference": bf16, "lm_head": bf16}
+    assert linear_output_dtypes(fp32, batch, monkeypatch) == {"policy": fp32_, "reference": fp32_, "lm_head": fp32_}
     step = adam_step(mixed.model.named_parameters(), mixed.opt)
     assert_adam_first_step(before, step, LR)  # fp32 weights and moments, stepped in fp32
     g32, g16 = gradient(adam_step(fp32.model.named_parameters(), fp32.opt)), gradient(step)

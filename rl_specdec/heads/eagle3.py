@@ -297,18 +297,22 @@ def head_loss(head: Eagle3Head, aux, input_ids, target_logp, mask, embed, lm_hea
     """Soft cross-entropy of each chain step against the target's next-token distribution.
 
     target_logp [B, T, V]: the target's log-probs of token t+1 given the prefix up to t (its logits at t),
-    detached; mask [B, T]: 1 where row t of ``target_logp`` is a response position to learn. Step j's row t
-    predicts x_{t+j+1}, whose distribution is target_logp[:, t+j]. A head with a draft vocabulary uses its own
-    LM head and learns the target's distribution over that vocabulary, renormalised. Returns (loss, per-step
-    top-1 agreement)."""
+    detached, or only its rows where ``mask`` is set, [M, V] in row-major order (what the trainer's chunked
+    scoring keeps); mask [B, T]: 1 where row t of ``target_logp`` is a response position to learn. Step j's
+    row t predicts x_{t+j+1}, whose distribution is target_logp[:, t+j]. A head with a draft vocabulary uses
+    its own LM head and learns the target's distribution over that vocabulary, renormalised. Returns (loss,
+    per-step top-1 agreement)."""
     own = head.shape.draft_vocab_size > 0
     weight, keep = (head.lm_head.weight, head.draft_ids()) if own else (lm_head, None)
+    position = mask.nonzero(as_tuple=True)[1] if target_logp.dim() == 2 else None  # [M]: each target row's t
     total, agree = 0.0, []
     for j, out in enumerate(head(aux, input_ids, embed, steps)):
         shift = j + 1
         rows = mask[:, shift:] > 0  # [B, T-j-1]: only these reach the LM head, the dear matmul on a wide vocabulary
         logp = F.log_softmax(out[:, :-shift][rows] @ weight.T, -1)  # [R, V or n]
-        tgt, w = target_logp[:, shift:][rows].float(), mask[:, shift:][rows]  # [R, V] (bf16 in a build pool), [R]
+        # the same rows of the target, in the same order: those at t >= shift
+        tgt = target_logp[position >= shift] if position is not None else target_logp[:, shift:][rows]
+        tgt, w = tgt.float(), mask[:, shift:][rows]  # [R, V] (bf16 in a build pool), [R]
         if own:
             tgt = F.log_softmax(tgt[:, keep], -1)  # [R, n]
         ce = -(tgt.exp() * logp).sum(-1)  # [R]
@@ -318,14 +322,15 @@ def head_loss(head: Eagle3Head, aux, input_ids, target_logp, mask, embed, lm_hea
     return total / steps, agree
 
 
-def micro_batch_loss(head, hidden_states, logp_all, mb, embed, lm_head, chain_steps: int, bf16: bool):
+def micro_batch_loss(head, hidden_states, target, mb, embed, lm_head, chain_steps: int, bf16: bool):
     """The head's loss on one micro-batch of the policy's detached features: (loss, per-step agreement, the
-    response tokens it covers). ``bf16``: the head's matmuls under bf16 autocast (its weights, the loss and
-    the optimizer stay fp32), as the policy computes under bf16-mixed: on a GPU the head's update in fp32
-    runs at fp32's matmul speed, 7x its time in bf16 (docs/performance.md, "On a GPU, predicted")."""
+    response tokens it covers). ``target``: the policy's log-probs at the response positions, [M, V] in
+    row-major order of ``mb["loss_mask"]`` (row t predicts token t+1). ``bf16``: the head's matmuls under bf16
+    autocast (its weights, the loss and the optimizer stay fp32), as the policy computes under bf16-mixed: on
+    a GPU the head's update in fp32 runs at fp32's matmul speed, 7x its time in bf16."""
     ids = head.shape.aux_layer_ids
     aux = torch.cat([hidden_states[i] for i in ids], -1).detach().float()  # [n, T, 3H]
-    target = F.pad(logp_all.detach().float(), (0, 0, 0, 1))  # [n, T, V]: row t predicts token t+1
+    target = target.detach().float()  # [M, V]
     mask = F.pad(mb["loss_mask"], (0, 1))  # [n, T]
     with torch.autocast(aux.device.type, dtype=torch.bfloat16, enabled=bf16):
         loss, agree = head_loss(head, aux, mb["input_ids"], target, mask, embed, lm_head, chain_steps)

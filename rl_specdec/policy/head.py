@@ -54,17 +54,18 @@ class HeadTrainer:
         self._sums, self._busy = {"loss": 0.0, "tokens": 0.0}, 0.0
         self.opt.zero_grad(set_to_none=True)
 
-    def learn(self, hidden_states, logp_all: torch.Tensor, mb: dict[str, torch.Tensor]) -> None:
+    def learn(self, hidden_states, target: torch.Tensor, mb: dict[str, torch.Tensor]) -> None:
         """One micro-batch: the head's loss on the policy's detached features, backward into the head only.
 
-        hidden_states: the policy's (embeddings, layer 1, ...), each [n, T, H]; logp_all [n, T-1, V];
+        hidden_states: the policy's (embeddings, layer 1, ...), each [n, T, H]; target [M, V]: the policy's
+        log-probs at the response positions, in row-major order of mb["loss_mask"];
         mb["loss_mask"] [n, T-1]: 1 where token t+1 is a response token; mb["batch_num_tokens"]: the whole
         (global) batch's response tokens, so the micro-batches' and the workers' gradients sum to its mean."""
         t0 = time.time()
         if float(mb["loss_mask"].sum()) == 0:
             return
         loss, agree, tokens = micro_batch_loss(
-            self.head, hidden_states, logp_all, mb, self._embed, self._lm_head, self.chain_steps, self.bf16
+            self.head, hidden_states, target, mb, self._embed, self._lm_head, self.chain_steps, self.bf16
         )
         (loss * tokens / float(mb["batch_num_tokens"][0])).backward()
         self._sums["loss"] += float(loss.detach()) * tokens

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from rl_specdec.policy import precision, state
 from rl_specdec.policy.distributed import (
@@ -33,39 +32,10 @@ from rl_specdec.policy.distributed import (
     wrap_for_training,
 )
 from rl_specdec.policy.interface import LossFn
+from rl_specdec.policy.scoring import token_logprobs_and_entropy
 
 if TYPE_CHECKING:
     from rl_specdec.config import PolicyConfig
-
-
-def token_logprobs_and_entropy(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    with_entropy: bool = False,
-    compute=precision.plain,
-    features: Callable | None = None,
-):
-    """Log-prob of each next token [N, T-1] (and the policy's entropy there, no grad).
-
-    The forward runs under ``compute(T)`` (:func:`rl_specdec.policy.precision.compute`: bf16
-    autocast for bf16-mixed); the log-softmax is always float32, whatever dtype the logits come in.
-    ``features(hidden_states, logp_all)``, if given, sees the forward's hidden states and log-probs (a head
-    learns from them).
-    """
-    more = {"output_hidden_states": True} if features is not None else {}  # only models that feed a head get it
-    with compute(input_ids.shape[1]):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, **more)
-    logits = out.logits[:, :-1].float()  # [N, T-1, V]
-    logp_all = F.log_softmax(logits, dim=-1)  # [N, T-1, V]
-    if features is not None:
-        features(out.hidden_states, logp_all)
-    logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [N, T-1]
-    if not with_entropy:
-        return logp, None
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N, T-1]
-    return logp, entropy
 
 
 class PolicyWorker:
@@ -194,17 +164,23 @@ class PolicyWorker:
     def _micro_batches(self, batch: dict[str, torch.Tensor], keep_order: bool = False):
         """Length-sorted micro-batches, each trimmed to its own longest sequence.
 
-        Sorting cuts the padding the model computes on (the batch is padded to
-        its longest rollout, the micro-batches only to theirs). The loss is
-        normalised by the whole batch's token count, so order does not matter
-        for training; ``keep_order`` keeps input order for log-prob outputs.
+        Sorting cuts the padding the model computes on (the batch is padded to its longest rollout, the
+        micro-batches only to theirs), and :func:`balanced_split` cuts the sorted rows where the padded
+        tokens add up least, never past the tokens a full micro-batch of the longest rows holds. The
+        count of micro-batches stays ``ceil(N / micro_batch_size)``: data-parallel workers run as many
+        forwards each. The loss is normalised by the whole batch's token count, so order does not matter
+        for training; ``keep_order`` keeps input order in even slices for log-prob outputs.
         Yields (indices, micro_batch).
         """
         lengths = batch["attention_mask"].sum(1)  # [N]
-        n = lengths.shape[0]
-        order = torch.arange(n) if keep_order else torch.argsort(lengths, descending=True, stable=True)
-        for s in range(0, n, self.config.micro_batch_size):
-            idx = order[s : s + self.config.micro_batch_size]
+        n, size = lengths.shape[0], self.config.micro_batch_size
+        if keep_order:
+            order, bounds = torch.arange(n), list(range(0, n, size)) + [n]
+        else:
+            order = torch.argsort(lengths, descending=True, stable=True)
+            bounds = balanced_split(lengths[order].tolist(), math.ceil(n / size), size * int(lengths.max()))
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            idx = order[a:b]
             t = int(lengths[idx].max())
             mb = {}
             for k, v in batch.items():
@@ -221,7 +197,7 @@ class PolicyWorker:
         out = torch.zeros(n, t - 1)  # [N, T-1]
         for idx, mb in self._micro_batches(batch, keep_order=True):
             lp = token_logprobs_and_entropy(self.model, mb["input_ids"], mb["attention_mask"], compute=self.compute)[0]
-            out[idx, : lp.shape[1]] = (lp * mb["attention_mask"][:, 1:]).cpu()  # 0 where t+1 is padding
+            out[idx, : lp.shape[1]] = lp.cpu()  # every real token scored; 0 where t+1 is padding
         self.model.train()
         return out
 
@@ -238,27 +214,22 @@ class PolicyWorker:
         self.opt.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"entropy": 0.0, "num_tokens": float(batch["loss_mask"].sum())}
         maxes: dict[str, float] = {}
-        last = math.ceil(batch["input_ids"].shape[0] / self.config.micro_batch_size) - 1
+        last = math.ceil(batch["input_ids"].shape[0] / self.config.micro_batch_size) - 1  # as many as it yields
         head_on = self.head is not None and self.head.due()
         if head_on:
             self.head.begin(self.model)
         for i, (_, mb) in enumerate(self._micro_batches(batch)):
             with grad_sync(self.train_model, enabled=i == last):
                 learn = functools.partial(self.head.learn, mb=mb) if head_on else None
-                logp, entropy = token_logprobs_and_entropy(
-                    self.train_model,
-                    mb["input_ids"],
-                    mb["attention_mask"],
-                    with_entropy=True,
-                    compute=self.compute,
-                    features=learn,
+                # only the response tokens are scored: the loss reads nothing else
+                score = functools.partial(token_logprobs_and_entropy, compute=self.compute, scored=mb["loss_mask"])
+                logp, entropy = score(
+                    self.train_model, mb["input_ids"], mb["attention_mask"], with_entropy=True, features=learn
                 )
                 ref_logp = None
                 if self.ref is not None:
                     with torch.no_grad():
-                        ref_logp, _ = token_logprobs_and_entropy(
-                            self.ref, mb["input_ids"], mb["attention_mask"], compute=self.compute
-                        )
+                        ref_logp, _ = score(self.ref, mb["input_ids"], mb["attention_mask"])
                 loss, metrics = loss_fn(logp, mb, ref_logp)
                 loss.backward()
             sums["entropy"] += float((entropy * mb["loss_mask"]).sum())
@@ -326,3 +297,32 @@ def trained_head(cfg: PolicyConfig, device: torch.device, refit_dtype: torch.dty
 
     bf16 = precision.COMPUTE[cfg.precision] == "bfloat16"
     return HeadTrainer(spec["model"], cfg.generation.drafter_training, device, refit_dtype, bf16, target_layers)
+
+
+def balanced_split(lengths: list[int], parts: int, budget: int) -> list[int]:
+    """Where to cut rows sorted by length, longest first, into ``parts`` contiguous micro-batches so that the
+    padded tokens (rows x the first row's length, summed) are fewest, with no micro-batch over ``budget``
+    padded tokens. Returns the ``parts + 1`` bounds, 0 first and ``len(lengths)`` last.
+
+    Dynamic programming over the cut points: best[m, i] is the least padding that covers rows [0, i) with m
+    micro-batches; a table of n x n costs per m (n = 512 at most here: milliseconds)."""
+    n = len(lengths)
+    parts = max(1, min(parts, n))
+    length = torch.tensor(lengths, dtype=torch.float64)  # [n]
+    j, i = torch.arange(n)[:, None], torch.arange(n + 1)[None, :]
+    cost = (i - j) * length[:, None]  # [n, n+1]: rows [j, i) padded to row j's length
+    cost[(i <= j) | (cost > budget)] = math.inf
+    best = torch.full((n + 1,), math.inf, dtype=torch.float64)
+    best[0] = 0.0
+    choice = []
+    for _ in range(parts):
+        total = best[:n, None] + cost  # [n, n+1]: the last micro-batch starts at row j
+        best, arg = total.min(0)
+        choice.append(arg)
+    if not math.isfinite(float(best[n])):  # the budget cannot be kept with so few parts: cut evenly
+        size = math.ceil(n / parts)
+        return sorted({min(n, k * size) for k in range(parts + 1)})
+    bounds = [n]
+    for arg in reversed(choice):
+        bounds.append(int(arg[bounds[-1]]))
+    return bounds[::-1]

@@ -1,0 +1,247 @@
+"""The train phase before and after scoring only what the loss reads, on the toy, the wide pair and the real model.
+
+``before`` is the trainer as it was: the LM head and a float32 log-softmax over the whole vocabulary at every
+position (``rl_specdec.policy.scoring``'s reference path) and micro-batches cut in even slices of the sorted
+rows. ``after`` is the shipped trainer: the LM head only at the response tokens, in chunks, and micro-batches
+cut where the padding is least (``rl_specdec.policy.worker.balanced_split``). Both workers start from the same
+weights and take the same batches, interleaved step by step (who goes first alternates), after one warm-up
+step each; the reference model is kept as the configs keep it (``grpo.log_kl``).
+
+The batches have each workload's shape, with random token ids (the cost does not depend on which tokens):
+
+* ``toy``: the default run's, 64 sorting prompts x 8 (train_step.py's batch), micro-batch 64;
+* ``wide``: the wide workload's trained rollouts, 24 of them, prompts of 10-20 tokens, responses long-tailed
+  (median 22, mean ~40, up to 250: its GRPO logs' shape), micro-batch 8;
+* ``smollm2``: the real model's, 8 chat prompts x 8 (74 +-6 prompt tokens, 10-30 response tokens), micro 8.
+
+``--memory`` instead measures one micro-batch's forward and backward in a fresh process per variant: the
+peak resident memory above what the process held before it (``VmHWM`` after resetting it, Linux only),
+including ``qwen3-vocab``: a 2-layer body with Qwen3's 151,936-token vocabulary, 4 sequences of 1,100 tokens
+(76 prompt, 1,024 response)::
+
+    python benchmarks/studies/train_phase.py --workloads toy,wide,smollm2 --seeds 0,1 --steps 4
+    python benchmarks/studies/train_phase.py --memory --workloads smollm2,qwen3-vocab
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+
+import torch
+
+MICRO = {"toy": 64, "wide": 8, "smollm2": 8, "qwen3-vocab": 4}
+
+
+def model_path(workload: str) -> str:
+    from rl_specdec.toy.build import build_toy_models
+
+    if workload == "toy":
+        return str(build_toy_models().policy)
+    if workload == "wide":
+        from rl_specdec.toy.wide import build_wide_models
+
+        return str(build_wide_models(log=lambda *_: None).policy)
+    if workload == "smollm2":
+        from rl_specdec.toy.packaged import packaged_model_path
+
+        return packaged_model_path("pkg:smollm2-135m-instruct", "policy.model_name")
+    return qwen3_vocab_model()
+
+
+def qwen3_vocab_model() -> str:
+    """A 2-layer Qwen3 with Qwen3's vocabulary, saved once in a temporary folder."""
+    import tempfile
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = os.path.join(tempfile.gettempdir(), "rl_specdec_qwen3_vocab")
+    if not os.path.isdir(folder):
+        cfg = Qwen3Config(
+            vocab_size=151936,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            tie_word_embeddings=True,
+        )
+        Qwen3ForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def make_batch(workload: str, seed: int, vocab: int) -> dict[str, torch.Tensor]:
+    from rl_specdec.grpo.batch import Trajectory, build_train_batch
+
+    if workload == "toy":
+        from train_step import default_batch
+
+        return default_batch(seed)
+    g = torch.Generator().manual_seed(seed)
+
+    def ints(lo: int, hi: int, n: int) -> list[int]:
+        return torch.randint(lo, hi, (n,), generator=g).tolist()
+
+    if workload == "wide":
+        prompts = ints(10, 21, 24)
+        responses = [min(250, max(4, int(22 * float(torch.randn(1, generator=g).mul(1.1).exp())))) for _ in prompts]
+    elif workload == "smollm2":
+        prompts = [74 + d for d in ints(-6, 7, 64)]
+        responses = ints(10, 31, 64)
+    else:
+        prompts, responses = [76] * 4, [1024] * 4
+    trajs = [
+        Trajectory.single_turn(ints(2, vocab, p), ints(2, vocab, r), [-1.0] * r) for p, r in zip(prompts, responses)
+    ]
+    return build_train_batch(trajs, torch.randn(len(trajs), generator=g), 0)
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """``before``: the whole vocabulary at every position, even slices; ``after``: as shipped."""
+    from rl_specdec.policy import scoring, worker
+
+    if name == "after":
+        yield
+        return
+    head, split = scoring.output_head, worker.balanced_split
+
+    def even(lengths, parts, _budget):
+        size = -(-len(lengths) // parts)
+        return list(range(0, len(lengths), size)) + [len(lengths)]
+
+    scoring.output_head, worker.balanced_split = (lambda _m: None), even
+    try:
+        yield
+    finally:
+        scoring.output_head, worker.balanced_split = head, split
+
+
+def start(workload: str, precision: str = "fp32"):
+    from rl_specdec.config import PolicyConfig
+    from rl_specdec.policy import PolicyWorker
+
+    cfg = PolicyConfig(
+        model_name=model_path(workload), device="cpu", precision="fp32", micro_batch_size=MICRO[workload]
+    )
+    w = PolicyWorker(cfg, keep_reference=True, seed=0)
+    w.start()
+    return w
+
+
+def time_steps(workload: str, seeds: list[int], steps: int, precision: str) -> None:
+    from rl_specdec.grpo import ClippedPGLoss
+
+    loss_fn = ClippedPGLoss(0.2, kl_coef=0.0)
+    workers = {v: start(workload, precision) for v in ("before", "after")}
+    vocab = workers["after"].model.config.vocab_size
+    for v, w in workers.items():
+        with variant(v):
+            w.train_step(make_batch(workload, 10**6, vocab), loss_fn)  # warm-up
+    times: dict[str, list[float]] = defaultdict(list)
+    for seed in seeds:
+        for i in range(steps):
+            batch = make_batch(workload, seed * 1000 + i, vocab)
+            for v in ("before", "after") if i % 2 == 0 else ("after", "before"):
+                with variant(v):
+                    times[v].append(workers[v].train_step(batch, loss_fn)["step_time_s"])
+    before, after = statistics.median(times["before"]), statistics.median(times["after"])
+    per_seed = [
+        statistics.median(times["before"][k * steps : (k + 1) * steps])
+        / statistics.median(times["after"][k * steps : (k + 1) * steps])
+        for k in range(len(seeds))
+    ]
+    print(
+        f"| {workload} | {before:.2f} | {after:.2f} | **{before / after:.2f}x** | "
+        f"{', '.join(f'{r:.2f}x' for r in per_seed)} |",
+        flush=True,
+    )
+
+
+def peak_of_one_pass(workload: str, name: str) -> None:
+    """In this (fresh) process: one micro-batch's forward and backward (the loss's, as train_step runs it),
+    after a first one so the gradients are already held; prints the peak RSS above what it held before, GiB.
+    The optimizer's step is left out: its temporaries are the parameters' size, whatever the scoring."""
+    from rl_specdec.grpo import ClippedPGLoss
+    from rl_specdec.policy.scoring import token_logprobs_and_entropy
+
+    w = start(workload)
+    batch = make_batch(workload, 0, w.model.config.vocab_size)
+    mb = next(iter(w._micro_batches(batch)))[1]
+    loss_fn = ClippedPGLoss(0.2, kl_coef=0.0)
+
+    def one_pass() -> None:
+        ids, mask = mb["input_ids"], mb["attention_mask"]
+        logp, _ = token_logprobs_and_entropy(w.model, ids, mask, with_entropy=True, scored=mb["loss_mask"])
+        loss_fn(logp, mb, None)[0].backward()
+
+    with variant(name):
+        one_pass()
+        rss0 = rss_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        one_pass()
+        print(f"{(rss_kib('VmHWM') - rss0) / 2**20:.2f}")
+
+
+def rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def memory(workloads: list[str]) -> None:
+    print("| workload | micro-batch (sequences x tokens) | before, GiB | after, GiB | lower by |")
+    print("|---|---|---|---|---|")
+    # every block of 128 KiB or more mapped on its own and unmapped when freed: resident memory then follows
+    # what torch holds, instead of what glibc's heap kept from the pass before
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+    for wl in workloads:
+        peaks = {}
+        for v in ("before", "after"):
+            out = subprocess.run(
+                [sys.executable, __file__, "--one-pass", wl, v], check=True, capture_output=True, text=True, env=env
+            ).stdout
+            peaks[v] = float(out.strip().splitlines()[-1])
+        shape = "4 x 1,100" if wl == "qwen3-vocab" else f"{MICRO[wl]} x its longest"
+        print(
+            f"| {wl} | {shape} | {peaks['before']:.2f} | {peaks['after']:.2f} | "
+            f"{peaks['before'] / peaks['after']:.1f}x |"
+        )
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="toy,wide,smollm2")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--memory", action="store_true")
+    ap.add_argument("--precision", default="fp32", help="policy.precision of both variants (fp32, bf16-mixed)")
+    ap.add_argument("--one-pass", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one_pass:
+        return peak_of_one_pass(*args.one_pass)
+    from rl_specdec.sysinfo import machine_label
+
+    print(
+        f"{machine_label()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+    workloads = args.workloads.split(",")
+    if args.memory:
+        return memory(workloads)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    print(f"train_step, median over {args.steps} steps x {len(seeds)} seeds, {args.precision}")
+    print("| workload | before, s | after, s | speed-up | per seed |")
+    print("|---|---|---|---|---|")
+    for wl in workloads:
+        time_steps(wl, seeds, args.steps, args.precision)
+
+
+if __name__ == "__main__":
+    main()
