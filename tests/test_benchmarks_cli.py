@@ -32,12 +32,14 @@ COMMANDS = (
 )
 STUDIES = (
     "agent_success",
+    "engine_start",
     "grpo_gap",
     "k0_cost",
     "k_profile",
     "runtime_libs",
     "server_concurrency",
     "tail_rates",
+    "train_phase",
     "train_step",
 )
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

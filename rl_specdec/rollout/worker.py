@@ -100,6 +100,7 @@ class VllmWorkerBase:
             "start_s": time.time() - t0,
             "cpu_expand_patched": facts["cpu_expand_patched"],
             "expand_path_ok": facts["expand_path_ok"],
+            "compile_cache": facts["compile_cache"],
             "engine_pid": facts["engine_pid"],
             "actor_pid": os.getpid(),
             "platform": self.platform,
@@ -186,9 +187,11 @@ class VllmWorker(VllmWorkerBase):
         t0 = time.time()
         self._prepare_process(config, cpu_bind)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from rl_specdec.vllm_ext.compile_cache import apply_compile_cache_fix
         from rl_specdec.vllm_ext.cpu_sampler import apply_cpu_spec_decode_fixes
 
         apply_cpu_spec_decode_fixes()
+        apply_compile_cache_fix()
         from vllm import LLM
 
         self.llm, self.seed = LLM(model=model, seed=seed, **self._engine_kwargs(config)), seed

@@ -12,6 +12,7 @@ function) lives in one module of this package, and nothing else does:
 ``worker``         the worker: model runner, drafter, weight reload, settings read back;
                    the async engine's CPU executor
 ``cpu_sampler``    CPU sampler fixes (probe-gated): rejection, seeded chunks
+``compile_cache``  the compile cache loaded on CPU instead of compiled again (probe-gated)
 ``scheduler``      the scheduler subclass with a settable batch-size -> k lookup
 ``model_runner``   the k=0 fast path: instance wrappers on the model runner, step records
 ``drafter_kv``     the drafter forward that catches its KV cache up
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 WRITTEN_FOR = "0.32.0"  # the vLLM release these hooks were written and tested against (pyproject.toml pins it)
 OVERRIDE_KEY = "policy.generation.allow_untested_vllm"
 FEATURES = {  # feature -> the modules whose hooks it uses
-    "core": ("declarations", "platform", "worker", "cpu_sampler"),
+    "core": ("declarations", "platform", "worker", "cpu_sampler", "compile_cache"),
     "runtime_k": ("scheduler", "model_runner", "drafter_kv"),
     "server": ("openai_app",),
 }

@@ -114,13 +114,15 @@ def end_layerwise(worker, module) -> None:
 
 
 def engine_facts() -> dict[str, Any]:
-    """The engine process's id, and whether the CPU sampling fix is in place and the expand path is right."""
-    from rl_specdec.vllm_ext import cpu_sampler, platform
+    """The engine process's id, whether the CPU sampling fix is in place and the expand path is right, and its
+    compiled models (loaded from vLLM's compile cache or compiled afresh)."""
+    from rl_specdec.vllm_ext import compile_cache, cpu_sampler, platform
 
     return {
         "engine_pid": os.getpid(),
         "cpu_expand_patched": cpu_sampler.is_patched(),
         "expand_path_ok": cpu_sampler.expand_path_is_correct() if platform.is_cpu() else True,
+        "compile_cache": compile_cache.counts(),
     }
 
 
@@ -171,12 +173,15 @@ def _make_executor_class():
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     class CpuFixedUniProcExecutor(UniProcExecutor):
-        """``UniProcExecutor`` that applies the CPU sampling fix in its own process before the worker starts."""
+        """``UniProcExecutor`` that applies the CPU fixes (sampling, compile cache) in its own process before the
+        worker starts."""
 
         def _init_executor(self) -> None:
+            from rl_specdec.vllm_ext.compile_cache import apply_compile_cache_fix
             from rl_specdec.vllm_ext.cpu_sampler import apply_cpu_spec_decode_fixes
 
             apply_cpu_spec_decode_fixes()
+            apply_compile_cache_fix()
             super()._init_executor()
 
     return CpuFixedUniProcExecutor

@@ -16,8 +16,8 @@ core in a separate process (it ignores ``VLLM_ENABLE_V1_MULTIPROCESSING``),
 started with ``spawn`` inside a Ray actor, so a patch applied in the actor
 never reaches the sampler. On CPU the worker therefore passes the executor
 class of :mod:`~rl_specdec.vllm_ext.worker` as
-``distributed_executor_backend``; it applies the fix in the engine-core
-process. Weights cross to that process packed (:mod:`~rl_specdec.rollout.weights`).
+``distributed_executor_backend``; it applies the fixes (sampling, compile
+cache) in the engine-core process. Weights cross to that process packed (:mod:`~rl_specdec.rollout.weights`).
 """
 
 from __future__ import annotations
