@@ -35,8 +35,9 @@ def main() -> None:
     from rl_specdec.rollout.group import VllmGeneration
     from rl_specdec.rollout.placement import stop_ray
     from rl_specdec.tasks import encode_prompts, make_task
+    from rl_specdec.toy.resolve import prepare_models
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = prepare_models(load_config(args.config, args.overrides))
     tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
     generation = VllmGeneration(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
     greedy = SamplingSettings.from_config(cfg.policy.generation, temperature=0.0)

@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--resolved",
         action="store_true",
-        help="with --print-config: print model paths, device, precision and engine dtype as resolved",
+        help="with --print-config: build or find the models, print the config as resolved (model folders, device, "
+        "precision, engine dtype) and the keyword arguments each engine receives",
     )
     parser.add_argument("--verbose", action="store_true", help="show vLLM's and Ray's logs (logger.level=info)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
@@ -90,10 +91,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(to_yaml(cfg))
-        return 0
+        return _print_resolved(cfg)
     configure_console(cfg.logger.level)
     return _run(cfg, args)
+
+
+def _print_resolved(cfg) -> int:
+    """The config with its models prepared, and what every engine receives (rl_specdec.config.engine_args)."""
+    from omegaconf import OmegaConf
+
+    from rl_specdec.config import ConfigError, engine_args, to_yaml
+    from rl_specdec.rollout.engine_ext import EXTENSION
+    from rl_specdec.toy.resolve import prepare_models
+
+    try:
+        prepare_models(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))  # stdout stays YAML
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    engine = engine_args(cfg.policy.generation, cfg.policy.model_name, cfg.seed, EXTENSION)
+    print(to_yaml(cfg))
+    print("# what each engine receives (vllm.LLM keyword arguments):")
+    print(OmegaConf.to_yaml({"engine_args": engine}))
+    return 0
 
 
 def _run(cfg, args: argparse.Namespace) -> int:

@@ -35,7 +35,7 @@ fi
 import torch, vllm, ray, transformers, omegaconf, wandb
 from transformers import Qwen2ForCausalLM  # fails if a broken torchvision is still around
 import gguf
-from rl_specdec.toy.packaged import PACKAGED_MODELS, find_gguf
+from rl_specdec.config.models import PACKAGED_MODELS, find_gguf
 for m in PACKAGED_MODELS.values():
     find_gguf(m, "install")
 print(f"rl_specdec install OK: torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, transformers {transformers.__version__}")

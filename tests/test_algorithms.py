@@ -299,7 +299,7 @@ def test_default_run_never_trains_on_a_validation_problem(config, seed):
     from rl_specdec.grpo.step import VAL_SEED, step_prompts
     from rl_specdec.tasks import make_task
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / config, [f"seed={seed}"], resolve_models=False)
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / config, [f"seed={seed}"])
     assert not cfg.task.kwargs.get("dataset_size"), "the default run trains on fresh problems, not a fixed pool"
     run = SimpleNamespace(cfg=cfg, task=make_task(cfg.task.name, **cfg.task.kwargs))
     held_out = run.task.validation_batch(VAL_SEED, cfg.grpo.val_num_prompts) + run.task.validation_batch(

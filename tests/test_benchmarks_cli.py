@@ -104,7 +104,7 @@ def test_grpo_steps_default_to_the_shipped_config_and_quick_runs_the_default_aga
 
     from rl_specdec.config import load_config
 
-    shipped = load_config(ROOT / "configs/grpo_spec.yaml", resolve_models=False).grpo.max_steps
+    shipped = load_config(ROOT / "configs/grpo_spec.yaml").grpo.max_steps
     b = bench_args.parse(["--variants", "grpo_base;draft k=2"], "doc", "grpo")
     assert b.steps == shipped and b.sections == ["grpo"] and b.out == Path("results/grpo")
     assert b.args.lockstep is False  # only --quick turns it on by itself
@@ -127,7 +127,7 @@ def test_no_two_grpo_variants_run_the_same_settings():
     allowed = {"grpo_base again"} | PRECISION_VARIANTS
     seen: dict[str, str] = {}
     for name, (config, overrides) in GRPO_VARIANTS.items():
-        cfg = dataclasses.asdict(load_config(REPO / config, ["grpo.max_steps=7", *overrides], resolve_models=False))
+        cfg = dataclasses.asdict(load_config(REPO / config, ["grpo.max_steps=7", *overrides]))
         cfg.pop("logger")  # each run logs to its own folder
         key = repr(sorted(cfg.items()))
         assert name in allowed or key not in seen, f"{name!r} runs the settings of {seen.get(key)!r}"

@@ -9,6 +9,7 @@ from rl_specdec.config import ConfigError, load_config
 from rl_specdec.tasks import ArithmeticChatTask, Sample, SortingTask, encode_prompts
 from rl_specdec.tasks.arithmetic import MULTIPLES, final_answer
 from rl_specdec.toy.tools import build_tool_tokenizer
+from rl_specdec.toy.resolve import prepare_models
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "configs" / "grpo_spec.yaml"
@@ -103,12 +104,11 @@ def test_bad_task_values_stop_the_load_with_the_key():
         load_config(
             SPEC,
             ["task.name=chat_arithmetic", "task.kwargs.min_steps=4", "task.kwargs.max_steps=2"],
-            resolve_models=False,
         )
     with pytest.raises(
         ConfigError, match=r"task.kwargs.max_step is not an argument .*Did you mean task.kwargs.max_steps"
     ):
-        load_config(SPEC, ["task.name=chat_arithmetic", "task.kwargs.max_step=3"], resolve_models=False)
+        load_config(SPEC, ["task.name=chat_arithmetic", "task.kwargs.max_step=3"])
 
 
 # ---- reward ---------------------------------------------------------------------------------
@@ -189,7 +189,7 @@ def test_setup_refuses_a_template_less_policy_before_any_actor(tmp_path, monkeyp
     cfg = load_config(SPEC, base + ["task.name=chat_arithmetic"])  # the toy policy's tokenizer has no template
     with pytest.raises(ConfigError, match="task.name=chat_arithmetic renders prompts with the policy's chat template"):
         run.setup(cfg)
-    tokenizer, task = run.prepare_task(load_config(SPEC, base))  # control: the sorting task passes
+    tokenizer, task = run.prepare_task(prepare_models(load_config(SPEC, base)))  # control: the sorting task passes
     assert isinstance(task, SortingTask) and encode_prompts(task, tokenizer, [Sample("31=", "13")])
 
 
@@ -197,15 +197,15 @@ def test_setup_refuses_a_template_less_policy_before_any_actor(tmp_path, monkeyp
 
 
 def test_another_task_drops_the_inherited_kwargs(tmp_path):
-    cfg = load_config(SPEC, ["task.name=chat_arithmetic", "task.kwargs.max_steps=3"], resolve_models=False)
+    cfg = load_config(SPEC, ["task.name=chat_arithmetic", "task.kwargs.max_steps=3"])
     assert cfg.task.kwargs == {"max_steps": 3}  # not grpo_spec's min_len/max_len/dataset_size
-    same = load_config(SPEC, ["task.name=sorting", "task.kwargs.max_len=6"], resolve_models=False)
+    same = load_config(SPEC, ["task.name=sorting", "task.kwargs.max_len=6"])
     assert same.task.kwargs == {"min_len": 4, "max_len": 6, "dataset_size": 0}  # same task: merged
     child = tmp_path / "child.yaml"
     child.write_text(f"defaults: [{SPEC}]\ntask: {{name: chat_arithmetic}}\n")
-    assert load_config(child, resolve_models=False).task.kwargs == {}
+    assert load_config(child).task.kwargs == {}
     child.write_text(f"defaults: [{SPEC}]\ntask: {{kwargs: {{max_len: 6}}}}\n")
-    assert load_config(child, resolve_models=False).task.kwargs["min_len"] == 4
+    assert load_config(child).task.kwargs["min_len"] == 4
 
 
 # ---- the GPU configs ------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def test_another_task_drops_the_inherited_kwargs(tmp_path):
 
 @pytest.mark.parametrize("name", GPU_CONFIGS)
 def test_gpu_configs_train_the_chat_task_within_their_lengths(name):
-    cfg = load_config(ROOT / "configs" / name, ["policy.device=cuda", "cluster.address=auto"], resolve_models=False)
+    cfg = load_config(ROOT / "configs" / name, ["policy.device=cuda", "cluster.address=auto"])
     assert cfg.task.name == "chat_arithmetic"
     assert cfg.task.kwargs["chat_template_kwargs"] == {"enable_thinking": False}
     gen = cfg.policy.generation

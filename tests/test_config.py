@@ -9,6 +9,7 @@ import pytest
 
 from rl_specdec.config import ConfigError, load_config
 from rl_specdec.config.precision import COMPUTE
+from rl_specdec.toy.resolve import prepare_models
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "configs" / "grpo_spec.yaml"
@@ -18,7 +19,7 @@ def test_every_shipped_config_validates():
     """Every key of every shipped config, its vllm_kwargs and speculative_config against vLLM's declarations;
     no model is built or fetched (test_resolved_toy_config_fills_rl_defaults resolves one)."""
     for path in sorted((ROOT / "configs").glob("*.yaml")):
-        cfg = load_config(path, resolve_models=False)
+        cfg = load_config(path)
         spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
         if "_base" in path.stem:  # grpo_base*, smollm2_base
             assert spec is None
@@ -32,30 +33,32 @@ SPEC_KEY = "policy.generation.vllm_kwargs.speculative_config"
 
 @pytest.mark.parametrize("name", GPU_CONFIGS)
 def test_gpu_configs_are_validated_against_vllm_without_their_models(name):
-    """resolve_models=False still checks vllm_kwargs and speculative_config against vLLM: a misspelled key or a
-    method vLLM does not declare fails, named, without a model file or a download."""
+    """Loading checks vllm_kwargs and speculative_config against vLLM: a misspelled key or a method vLLM does not
+    declare fails, named, without a model file or a download."""
     path = ROOT / "configs" / name
-    load_config(path, resolve_models=False)
+    load_config(path)
     for edit, needle in (
         (f"{SPEC_KEY}.num_speculative_tokenz=3", "speculative_config.num_speculative_tokenz is not a field of vLLM"),
         (f"{SPEC_KEY}.method=eagle4", "speculative_config.method='eagle4' is not a vLLM speculative method"),
         ("policy.generation.vllm_kwargs.max_modle_len=64", "vllm_kwargs.max_modle_len is not a vLLM engine argument"),
     ):
         with pytest.raises(ConfigError, match=re.escape(needle)):
-            load_config(path, [edit], resolve_models=False)
+            load_config(path, [edit])
 
 
-def test_validation_reads_no_model_file_and_resolution_does(tmp_path, monkeypatch):
-    """resolve_models=False: names are checked, nothing is built or looked up on disk; resolution does both."""
+def test_validation_reads_no_model_file_and_preparation_does(tmp_path, monkeypatch):
+    """Loading checks names and builds nothing, nor looks up a folder; preparing the models does both."""
     monkeypatch.setenv("RL_SPECDEC_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ConfigError, match=r"policy.model_name='toy:nope': the embedded models are toy:policy"):
-        load_config(SPEC, ["policy.model_name=toy:nope"], resolve_models=False)
+        load_config(SPEC, ["policy.model_name=toy:nope"])
     elsewhere = ["policy.model_name=/on/the/cluster/qwen3", f"{SPEC_KEY}.model=/on/the/cluster/qwen3-0.6b"]
-    cfg = load_config(SPEC, elsewhere, resolve_models=False)  # a config for another machine validates here
+    cfg = load_config(SPEC, elsewhere)  # a config for another machine validates here
     assert cfg.policy.generation.vllm_kwargs["speculative_config"]["model"] == "/on/the/cluster/qwen3-0.6b"
     assert not (tmp_path / "cache").exists()  # toy:policy was not built
     with pytest.raises(ConfigError, match=r"policy.model_name='/on/the/cluster/qwen3' is not a directory"):
-        load_config(SPEC, elsewhere)
+        prepare_models(load_config(SPEC, elsewhere))
+    with pytest.raises(ConfigError, match=r"speculative_config.model='/nope' is not a directory"):
+        prepare_models(load_config(SPEC, [f"{SPEC_KEY}.model=/nope"]))
 
 
 # What each GPU config states in its header comment it needs.
@@ -72,7 +75,7 @@ def test_gpu_configs_fit_the_hardware_they_state(name):
     from rl_specdec.config import check_cluster_resources
 
     # as on a GPU cluster (cluster.address: the load-time "no local CUDA" check steps aside)
-    cfg = load_config(ROOT / "configs" / name, ["policy.device=cuda", "cluster.address=auto"], resolve_models=False)
+    cfg = load_config(ROOT / "configs" / name, ["policy.device=cuda", "cluster.address=auto"])
     have = STATED_HARDWARE[name]
     check_cluster_resources(cfg, have)
     fewer = {**have, "GPU": have["GPU"] - 1}
@@ -94,7 +97,6 @@ def test_cluster_check_counts_policy_and_engines():
             "policy.generation.num_engines=3",
             "policy.generation.vllm_kwargs.tensor_parallel_size=2",
         ],
-        resolve_models=False,
     )
     check_cluster_resources(cfg, {"GPU": 10, "CPU": 3})  # 4 x 1 + 3 x 2 GPUs; 3 CPUs, one per GPU engine
     with pytest.raises(ConfigError) as e:
@@ -106,8 +108,8 @@ def test_cluster_check_counts_policy_and_engines():
     with pytest.raises(ConfigError, match="policy.device=cuda but the Ray cluster has no GPU"):
         check_cluster_resources(cfg, {"CPU": 64})
     # on CPU: engines reserve cpus_per_engine, workers cpus_per_worker; the default run fits 2 cores
-    check_cluster_resources(load_config(SPEC, resolve_models=False), {"CPU": 2})
-    cpu = load_config(SPEC, ["policy.num_workers=2", "policy.cpus_per_worker=1"], resolve_models=False)
+    check_cluster_resources(load_config(SPEC), {"CPU": 2})
+    cpu = load_config(SPEC, ["policy.num_workers=2", "policy.cpus_per_worker=1"])
     with pytest.raises(
         ConfigError, match=r"asks for 4 CPUs but the Ray cluster has 2: policy 2 x 1 .* = 2, engines 1 x 2"
     ):
@@ -118,7 +120,7 @@ def test_device_precision_and_engine_dtype_are_resolved_once_at_load():
     from rl_specdec.config import PolicyConfig, resolve_device_and_dtype
     from rl_specdec.config.precision import cpu_has_native_bf16
 
-    cfg = load_config(SPEC, resolve_models=False)
+    cfg = load_config(SPEC)
     p = cfg.policy
     native = "bf16-mixed" if cpu_has_native_bf16() else "fp32"
     assert (p.device, p.precision, p.generation.vllm_kwargs["dtype"]) == ("cpu", native, COMPUTE[native])  # no CUDA
@@ -140,7 +142,7 @@ def test_engines_follow_the_precision_without_a_warning(precision, engines):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a matched pair warns nothing
-        cfg = load_config(SPEC, [f"policy.precision={precision}"], resolve_models=False)
+        cfg = load_config(SPEC, [f"policy.precision={precision}"])
     assert (cfg.policy.precision, cfg.policy.generation.vllm_kwargs["dtype"]) == (precision, engines)
 
 
@@ -150,15 +152,15 @@ def test_engine_dtype_is_checked_against_the_precision():
         with pytest.raises(
             ConfigError, match=rf"{key}=float16: .*no matching precision.*Remove {key}.*policy.precision=bf16-mixed"
         ):
-            load_config(SPEC, [f"{key}={fp16}"], resolve_models=False)
+            load_config(SPEC, [f"{key}={fp16}"])
     # set apart on purpose: allowed, with a warning that names the cost and the fix
     with pytest.warns(
         UserWarning, match=rf"{key}=bfloat16 with policy.precision=fp32: .*policy.precision=bf16-mixed trains faster"
     ):
-        cfg = load_config(SPEC, ["policy.precision=fp32", f"{key}=bfloat16"], resolve_models=False)
+        cfg = load_config(SPEC, ["policy.precision=fp32", f"{key}=bfloat16"])
     assert (cfg.policy.precision, cfg.policy.generation.vllm_kwargs["dtype"]) == ("fp32", "bfloat16")
     with pytest.warns(UserWarning, match=rf"{key}=float32 with policy.precision=bf16-mixed: .*Remove {key}"):
-        load_config(SPEC, ["policy.precision=bf16-mixed", f"{key}=float"], resolve_models=False)
+        load_config(SPEC, ["policy.precision=bf16-mixed", f"{key}=float"])
 
 
 def test_bad_precision_names_the_key_and_the_choices():
@@ -166,7 +168,7 @@ def test_bad_precision_names_the_key_and_the_choices():
         ConfigError,
         match=r"policy.precision='fp16' must be auto, fp32, bf16-mixed or bf16: bf16-mixed keeps fp32 weights",
     ):
-        load_config(SPEC, ["policy.precision=fp16"], resolve_models=False)
+        load_config(SPEC, ["policy.precision=fp16"])
 
 
 def test_the_replaced_dtype_key_names_its_successor(tmp_path):
@@ -176,29 +178,29 @@ def test_the_replaced_dtype_key_names_its_successor(tmp_path):
             match=rf"policy.dtype={old} was replaced by policy.precision .*"
             rf"set policy.precision={new}\b.* and remove policy.dtype",
         ):
-            load_config(SPEC, [f"policy.dtype={old}"], resolve_models=False)
+            load_config(SPEC, [f"policy.dtype={old}"])
     old_file = tmp_path / "old.yaml"  # a config written before policy.precision
     old_file.write_text(f"defaults: [{SPEC}]\npolicy: {{dtype: bfloat16}}\n")
     with pytest.raises(ConfigError, match="policy.dtype=bfloat16 was replaced by policy.precision"):
-        load_config(old_file, resolve_models=False)
+        load_config(old_file)
 
 
 @pytest.mark.parametrize("name", sorted(STATED_HARDWARE))
 def test_gpu_configs_train_bf16_mixed_with_bf16_engines(name):
-    cfg = load_config(ROOT / "configs" / name, ["policy.device=cuda", "cluster.address=auto"], resolve_models=False)
+    cfg = load_config(ROOT / "configs" / name, ["policy.device=cuda", "cluster.address=auto"])
     assert (cfg.policy.precision, cfg.policy.generation.vllm_kwargs["dtype"]) == ("bf16-mixed", "bfloat16")
 
 
 def test_gpu_configs_point_at_real_pairs():
-    eagle = load_config(ROOT / "configs/qwen3_eagle3.yaml", resolve_models=False)
+    eagle = load_config(ROOT / "configs/qwen3_eagle3.yaml")
     assert eagle.policy.model_name == "Qwen/Qwen3-8B"
     assert eagle.policy.generation.vllm_kwargs["speculative_config"]["method"] == "eagle3"
-    ngram = load_config(ROOT / "configs/qwen3_ngram.yaml", resolve_models=False)
+    ngram = load_config(ROOT / "configs/qwen3_ngram.yaml")
     assert "model" not in ngram.policy.generation.vllm_kwargs["speculative_config"]  # replaced, not merged
 
 
-def test_resolved_toy_config_fills_rl_defaults():
-    cfg = load_config(SPEC)
+def test_prepared_toy_config_fills_rl_defaults():
+    cfg = prepare_models(load_config(SPEC))
     kw = cfg.policy.generation.vllm_kwargs
     assert Path(cfg.policy.model_name, "config.json").is_file()
     assert Path(kw["speculative_config"]["model"], "config.json").is_file()
@@ -210,7 +212,6 @@ def test_overrides_any_key_and_null():
     cfg = load_config(
         SPEC,
         ["grpo.max_steps=5", "logger.log_dir=/tmp/somewhere", "policy.generation.vllm_kwargs.speculative_config=null"],
-        resolve_models=False,
     )
     assert cfg.grpo.max_steps == 5
     assert cfg.logger.log_dir == "/tmp/somewhere"
@@ -225,7 +226,7 @@ def test_defaults_inheritance_and_interpolation(tmp_path):
     (tmp_path / "child.yaml").write_text(
         "defaults: [base.yaml]\ngrpo: {val_every: 2}\nlogger: {log_dir: '/tmp/run_${seed}'}\n"
     )
-    cfg = load_config(tmp_path / "child.yaml", resolve_models=False)
+    cfg = load_config(tmp_path / "child.yaml")
     assert (cfg.seed, cfg.grpo.max_steps, cfg.grpo.val_every, cfg.logger.log_dir) == (3, 7, 2, "/tmp/run_3")
 
 
@@ -241,12 +242,10 @@ def test_defaults_inheritance_and_interpolation(tmp_path):
         (["grpo.clip_eps=1.5"], "grpo.clip_eps"),
         (["policy.generation.temperature=0"], "policy.generation.temperature"),
         (["policy.generation.num_engines=0"], "policy.generation.num_engines"),
-        (["policy.model_name=/does/not/exist"], "policy.model_name"),
         (["policy.generation.vllm_kwargs.max_modle_len=64"], "max_modle_len"),
         (["policy.generation.vllm_kwargs.speculative_config.method=magic"], "speculative_config.method"),
         (["policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens=0"], "num_speculative_tokens"),
         (["policy.generation.vllm_kwargs.speculative_config.rejection_sample_method=synthetic"], "synthetic"),
-        (["policy.generation.vllm_kwargs.speculative_config.model=/nope"], "speculative_config.model"),
         (["task.name=chess"], "task.name"),
         (["logger.wandb.mode=sometimes"], "logger.wandb.mode"),
         (["grpo.max_steps"], "key=value"),
@@ -361,7 +360,7 @@ def test_drafter_with_other_vocab_is_refused(tmp_path):
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 151936}))
     with pytest.raises(ConfigError, match="vocab_size 151936"):
-        load_config(SPEC, [f"policy.generation.vllm_kwargs.speculative_config.model={d}"])
+        prepare_models(load_config(SPEC, [f"policy.generation.vllm_kwargs.speculative_config.model={d}"]))
 
 
 def test_entry_point_fails_fast_with_the_key(tmp_path):

@@ -13,8 +13,8 @@ SPEC = ROOT / "configs" / "grpo_spec.yaml"
 def test_speculation_control_off_survives_yaml():
     """`mode: off` is a YAML 1.1 boolean; it must still mean off (from a file and from the command line)."""
     base = ROOT / "configs/grpo_base_longtail.yaml"
-    assert load_config(base, resolve_models=False).policy.generation.speculation_control.mode == "off"
-    cfg = load_config(SPEC, ["policy.generation.speculation_control.mode=off"], resolve_models=False)
+    assert load_config(base).policy.generation.speculation_control.mode == "off"
+    cfg = load_config(SPEC, ["policy.generation.speculation_control.mode=off"])
     assert cfg.policy.generation.speculation_control.mode == "off"
 
 
@@ -31,25 +31,21 @@ def test_auto_is_run_time_k_where_it_can_run_and_off_elsewhere(edit):
     draft_model engine, the controller without a threshold, and gives way to vLLM's own k where run-time k cannot
     run, so switching speculation stays one key; ``adaptive`` asked for there is an error."""
     mode, below = "policy.generation.speculation_control.mode", "policy.generation.speculation_control.draft_below"
-    assert load_config(SPEC, resolve_models=False).policy.generation.speculation_control.mode == "fixed"
-    assert load_config(SPEC, [f"{below}=null"], resolve_models=False).policy.generation.speculation_control.mode == (
-        "adaptive"
-    )
-    assert load_config(SPEC, [edit], resolve_models=False).policy.generation.speculation_control.mode == "off"
+    assert load_config(SPEC).policy.generation.speculation_control.mode == "fixed"
+    assert load_config(SPEC, [f"{below}=null"]).policy.generation.speculation_control.mode == ("adaptive")
+    assert load_config(SPEC, [edit]).policy.generation.speculation_control.mode == "off"
     with pytest.raises(ConfigError, match="speculation_control.mode=adaptive"):
-        load_config(SPEC, [edit, f"{mode}=adaptive"], resolve_models=False)
+        load_config(SPEC, [edit, f"{mode}=adaptive"])
 
 
 def test_draft_below_becomes_the_engines_schedule():
     """``draft_below: 32`` starts the engine with k below 32 running requests and k=0 from 32 up (the fast path);
     without it the run-time-k engine starts at k everywhere."""
-    from rl_specdec.rollout.runtime_k.engine_args import SCHEDULE_END, engine_kwargs
+    from rl_specdec.config.engine_args import SCHEDULE_END, engine_args
 
     def schedule(*overrides):
-        gen = load_config(SPEC, list(overrides), resolve_models=False).policy.generation
-        return engine_kwargs(gen.vllm_kwargs, gen.speculation_control)["speculative_config"][
-            "num_speculative_tokens_per_batch_size"
-        ]
+        gen = load_config(SPEC, list(overrides)).policy.generation
+        return engine_args(gen, "policy", 0, "ext")["speculative_config"]["num_speculative_tokens_per_batch_size"]
 
     below = "policy.generation.speculation_control.draft_below"
     assert schedule() == [[1, 31, 3], [32, SCHEDULE_END, 0]]
@@ -71,11 +67,11 @@ def test_draft_below_becomes_the_engines_schedule():
 )
 def test_bad_draft_below_names_the_key_and_the_fix(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
-        load_config(SPEC, overrides, resolve_models=False)
+        load_config(SPEC, overrides)
     # the control: the same keys load where nothing of run-time k runs (vLLM's own k, as written)
-    load_config(SPEC, [*overrides, "policy.generation.speculation_control.mode=off"], resolve_models=False)
+    load_config(SPEC, [*overrides, "policy.generation.speculation_control.mode=off"])
     with pytest.raises(ConfigError, match="speculation_control.draft_below.*wrong type"):
-        load_config(SPEC, ["policy.generation.speculation_control.draft_below=0.5"], resolve_models=False)
+        load_config(SPEC, ["policy.generation.speculation_control.draft_below=0.5"])
 
 
 def test_the_controller_starts_from_a_schedule_when_one_is_set():
@@ -87,14 +83,14 @@ def test_the_controller_starts_from_a_schedule_when_one_is_set():
     )
 
     def start(*overrides):
-        return load_config(wide, list(overrides), resolve_models=False).policy.generation.speculation_control.start
+        return load_config(wide, list(overrides)).policy.generation.speculation_control.start
 
     assert start() == "zero" and start(sched) == "schedule"
     assert start(sched, f"{ctl}.start=zero") == "zero" and start(f"{ctl}.start=schedule") == "schedule"
     with pytest.raises(ConfigError, match=r"speculation_control\.start='first'.*must be zero"):
         start(f"{ctl}.start=first")
     with pytest.raises(ConfigError, match=r"speculation_control\.start=schedule applies to the controller only"):
-        load_config(SPEC, [f"{ctl}.start=schedule"], resolve_models=False)  # the default's threshold: fixed
+        load_config(SPEC, [f"{ctl}.start=schedule"])  # the default's threshold: fixed
 
 
 def test_eagle3_runs_run_time_k_with_k0_through_vllms_path():
@@ -102,10 +98,10 @@ def test_eagle3_runs_run_time_k_with_k0_through_vllms_path():
     method, and asking for the fast path with eagle3 names the key and the fix."""
     s, c = "policy.generation.vllm_kwargs.speculative_config", "policy.generation.speculation_control"
     head = [f"{s}.method=eagle3", f"{s}.model=toy:eagle3"]
-    ctl = load_config(SPEC, head, resolve_models=False).policy.generation.speculation_control
+    ctl = load_config(SPEC, head).policy.generation.speculation_control
     assert (ctl.mode, ctl.k0_fast_path) == ("fixed", False)
-    assert load_config(SPEC, resolve_models=False).policy.generation.speculation_control.k0_fast_path is True
+    assert load_config(SPEC).policy.generation.speculation_control.k0_fast_path is True
     with pytest.raises(ConfigError, match=rf"{c}.k0_fast_path=true with method eagle3.*k0_fast_path=false"):
-        load_config(SPEC, [*head, f"{c}.mode=fixed", f"{c}.k0_fast_path=true"], resolve_models=False)
+        load_config(SPEC, [*head, f"{c}.mode=fixed", f"{c}.k0_fast_path=true"])
     with pytest.raises(ConfigError, match=r"run-time k is built for draft_model and eagle3 only"):
-        load_config(SPEC, [f"{s}.method=ngram", f"{s}.model=null", f"{c}.mode=fixed"], resolve_models=False)
+        load_config(SPEC, [f"{s}.method=ngram", f"{s}.model=null", f"{c}.mode=fixed"])

@@ -12,6 +12,7 @@ from rl_specdec.config import ConfigError, load_config, load_config_as_written
 from rl_specdec.config.layers import SPEC_KEY, apply_overrides, read_yaml
 from rl_specdec.config.speculation import METHOD_DEFAULTS
 from rl_specdec.config.vllm_kwargs import check_backend_runs
+from rl_specdec.toy.resolve import prepare_models
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "configs" / "grpo_spec.yaml"
@@ -91,7 +92,7 @@ def test_methods_the_cpu_backend_cannot_run_are_refused_where_the_run_starts(met
     monkeypatch.setattr(run, "MetricsLogger", started)
     monkeypatch.setattr(run, "prepare_task", started)
     edits = [f"{S}.{k}={v}" for k, v in SWITCHES[method].items()]
-    cfg = load_config(SPEC, ["policy.device=cpu"] + edits, resolve_models=False)  # it validates: a run may go elsewhere
+    cfg = load_config(SPEC, ["policy.device=cpu"] + edits)  # it validates: a run may go elsewhere
     with pytest.raises(ConfigError, match=rf"method='{method}' does not run on vLLM's CPU backend.*method=ngram"):
         run.setup(cfg)
 
@@ -108,9 +109,9 @@ def test_backend_check_names_the_key_the_reason_and_the_fix():
 
 
 def test_task_arguments_are_checked_against_the_task_signature():
-    load_config(SPEC, ["task.kwargs.max_len=9"], resolve_models=False)
+    load_config(SPEC, ["task.kwargs.max_len=9"])
     with pytest.raises(ConfigError) as e:
-        load_config(SPEC, ["task.kwargs.max_lenn=8"], resolve_models=False)
+        load_config(SPEC, ["task.kwargs.max_lenn=8"])
     msg = str(e.value)
     assert "task.kwargs.max_lenn is not an argument of task 'sorting'" in msg
     assert "Did you mean task.kwargs.max_len?" in msg and "min_len, max_len, dataset_size" in msg
@@ -143,7 +144,7 @@ def test_print_config_prints_a_gpu_config_on_a_cpu_machine():
     r = _run_grpo("--config", str(EAGLE3), "--print-config", "policy.device=cpu")
     assert r.returncode == 0, r.stderr
     assert "method: eagle3" in r.stdout and "model_name: Qwen/Qwen3-8B" in r.stdout
-    resolved = load_config(EAGLE3, ["policy.device=cpu"])  # what --print-config --resolved prints: no hub id fetched
+    resolved = prepare_models(load_config(EAGLE3, ["policy.device=cpu"]))  # as --print-config --resolved: no fetch
     assert resolved.policy.model_name == "Qwen/Qwen3-8B"
 
 

@@ -21,7 +21,6 @@ def test_wandb_entity_group_tags_notes_are_config_keys():
             "logger.wandb.tags=[spec,k3]",
             "logger.wandb.notes=hi",
         ],
-        resolve_models=False,
     )
     w = cfg.logger.wandb
     assert (w.entity, w.group, w.tags, w.notes) == ("team", "sweep1", ["spec", "k3"], "hi")
@@ -38,7 +37,7 @@ def test_wandb_entity_group_tags_notes_are_config_keys():
 )
 def test_bad_wandb_names_are_refused_with_the_key(override, needle):
     with pytest.raises(ConfigError) as e:
-        load_config(SPEC, [override], resolve_models=False)
+        load_config(SPEC, [override])
     assert needle in str(e.value)
 
 
@@ -113,9 +112,7 @@ def _log_two_steps(log_dir: Path) -> None:
     from rl_specdec.toy.build import build_tokenizer
 
     small = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "grpo.val_num_prompts=4"]
-    cfg = load_config(
-        SPEC, [*small, "grpo.max_steps=2", "grpo.val_every=1", "grpo.self_check_prompts=0"], resolve_models=False
-    )
+    cfg = load_config(SPEC, [*small, "grpo.max_steps=2", "grpo.val_every=1", "grpo.self_check_prompts=0"])
     tok, g = build_tokenizer(), cfg.grpo
     task = make_task(cfg.task.name, **cfg.task.kwargs)
     metrics = MetricsLogger(str(log_dir), {})

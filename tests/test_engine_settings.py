@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from rl_specdec.config.generation import GenerationConfig
 from rl_specdec.errors import ConfigError
 from rl_specdec.rollout import engine_settings as settings
 
@@ -31,6 +32,12 @@ CPU_DRAFT = {
     "speculative/draft_sample_method": "probabilistic",
     "speculative/rejection_sample_method": "standard",
 }
+
+
+def asked(strict: bool = False, **vllm_kwargs) -> GenerationConfig:
+    return GenerationConfig(vllm_kwargs=vllm_kwargs, strict_engine_settings=strict)
+
+
 ASKED = {
     "async_scheduling": True,
     "max_model_len": 128,
@@ -41,7 +48,7 @@ ASKED = {
 
 
 def test_a_dropped_setting_is_named_with_both_values_and_the_reason():
-    (m,) = settings.mismatches(ASKED, CPU_DRAFT)
+    (m,) = settings.mismatches(asked(**ASKED), CPU_DRAFT)
     assert m.key == "async_scheduling" and m.requested is True and m.effective is False
     msg = m.message()
     assert "policy.generation.vllm_kwargs.async_scheduling" in msg and "True" in msg and "False" in msg
@@ -50,23 +57,23 @@ def test_a_dropped_setting_is_named_with_both_values_and_the_reason():
 
 def test_honoured_settings_give_nothing():
     ok = {k: v for k, v in ASKED.items() if k != "async_scheduling"}
-    assert settings.mismatches(ok, CPU_DRAFT) == []
-    assert settings.mismatches({"dtype": "auto"}, CPU_DRAFT) == []  # auto asks for nothing
-    assert settings.mismatches({"dtype": "torch.float32"}, CPU_DRAFT) == []  # same dtype, other spelling
+    assert settings.mismatches(asked(**ok), CPU_DRAFT) == []
+    assert settings.mismatches(asked(dtype="auto"), CPU_DRAFT) == []  # auto asks for nothing
+    assert settings.mismatches(asked(dtype="torch.float32"), CPU_DRAFT) == []  # same dtype, other spelling
 
 
 def test_a_changed_speculative_setting_is_named_under_speculative_config():
-    asked = {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 5}}
-    (m,) = settings.mismatches(asked, CPU_DRAFT)
+    five = asked(speculative_config={"method": "draft_model", "num_speculative_tokens": 5})
+    (m,) = settings.mismatches(five, CPU_DRAFT)
     assert "speculative_config.num_speculative_tokens" in m.message()
 
 
 def test_check_warns_once_per_setting_or_stops_when_strict():
     warned = []
-    assert settings.check(ASKED, [CPU_DRAFT, dict(CPU_DRAFT)], strict=False, warn=warned.append) == CPU_DRAFT
+    assert settings.check(asked(**ASKED), [CPU_DRAFT, dict(CPU_DRAFT)], warn=warned.append) == CPU_DRAFT
     assert len(warned) == 1 and "async_scheduling" in warned[0]
     with pytest.raises(ConfigError, match="async_scheduling.*strict_engine_settings=false"):
-        settings.check(ASKED, [CPU_DRAFT], strict=True, warn=warned.append)
+        settings.check(asked(True, **ASKED), [CPU_DRAFT], warn=warned.append)
 
 
 def test_engines_that_disagree_are_an_error_naming_the_engine():

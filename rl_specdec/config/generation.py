@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
 
 
 @dataclass
@@ -52,7 +54,7 @@ class CanaryConfig:
 
 @dataclass
 class SpeculationControlConfig:
-    """k chosen while the engine runs: see rl_specdec.rollout.runtime_k.engine_args (draft_model and eagle3)."""
+    """k chosen while the engine runs: see rl_specdec.config.engine_args (draft_model and eagle3)."""
 
     # off (vLLM's own k or schedule) | fixed (k settable at run time) | adaptive (the controller) |
     # auto (adaptive where run-time k can run: draft_model or eagle3, a UniProc executor, no async scheduling;
@@ -79,6 +81,60 @@ class SpeculationControlConfig:
     def fast_path_for(self, method: str | None) -> bool:
         """``k0_fast_path``, its null resolved for ``method``."""
         return self.k0_fast_path if self.k0_fast_path is not None else method != "eagle3"
+
+
+SCHEDULE_END = 1 << 16  # the dynamic-k schedule covers every batch size vLLM may run (it clips to max_num_seqs)
+Schedule = tuple[tuple[int, int, int], ...]  # (first batch size, last batch size, k)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """A validated ``speculative_config``, typed. ``options``: its other keys, as vLLM takes them
+    (``draft_sample_method``, ``prompt_lookup_max``, ``draft_load_config``, ...)."""
+
+    method: str
+    k: int  # num_speculative_tokens: the most tokens drafted per step (a schedule's largest k)
+    model: str | None = None  # the drafter's folder or hub id; None for model-free methods (ngram, suffix)
+    schedule: Schedule | None = None  # num_speculative_tokens_per_batch_size, as written
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def from_vllm(cls, spec: Mapping[str, Any] | None) -> Speculation | None:
+        """The object of a validated ``speculative_config`` (None: no speculation)."""
+        if spec is None:
+            return None
+        rest = {k: v for k, v in spec.items() if v is not None}
+        method, model = rest.pop("method"), rest.pop("model", None)
+        schedule = rest.pop("num_speculative_tokens_per_batch_size", None)
+        schedule = tuple(tuple(int(x) for x in e) for e in schedule) if schedule else None
+        k = rest.pop("num_speculative_tokens", None)
+        k = int(k) if k is not None else max(e[2] for e in schedule or ((1, 1, 1),))
+        return cls(method, k, model, schedule, MappingProxyType(rest))
+
+    @property
+    def is_head(self) -> bool:
+        """An EAGLE-3 head: it drafts from the policy's hidden states and trains in the policy's workers."""
+        return self.method == "eagle3"
+
+    def to_vllm(self, control: Optional[SpeculationControlConfig] = None) -> dict[str, Any]:
+        """The ``speculative_config`` an engine starts with; ``control`` (run-time k on): dynamic-k mode at k_max,
+        the schedule the lookup starts from (``draft_below`` makes it k below the threshold, 0 from it up)."""
+        out: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.k, **self.options}
+        if self.model is not None:
+            out["model"] = self.model
+        schedule = [list(e) for e in self.schedule] if self.schedule else None
+        if control is not None:
+            out["num_speculative_tokens"] = max(int(control.k_max or self.k), self.k)
+            schedule = schedule or [[1, SCHEDULE_END, self.k]]
+            if control.draft_below is not None:
+                schedule = [[1, control.draft_below - 1, self.k], [control.draft_below, SCHEDULE_END, 0]]
+        if schedule is not None:
+            out["num_speculative_tokens_per_batch_size"] = schedule
+        return out
+
+    def settings(self) -> dict[str, Any]:
+        """What was asked for, in the flat keys an engine's read-back uses (``speculative/<key>``)."""
+        return {f"speculative/{k}": v for k, v in self.to_vllm().items()}
 
 
 @dataclass
@@ -120,12 +176,24 @@ class GenerationConfig:
     acceptance_canary: CanaryConfig = field(default_factory=CanaryConfig)
     speculation_control: SpeculationControlConfig = field(default_factory=SpeculationControlConfig)
     engine_restart: EngineRestartConfig = field(default_factory=EngineRestartConfig)
-    # Passed to vllm.LLM(...) as-is (speculative_config included), after validation.
+    # vLLM's engine arguments, speculative_config included, validated at load; rl_specdec.config.engine_args
+    # builds what an engine receives from them.
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def speculation(self) -> Speculation | None:
+        """``vllm_kwargs.speculative_config`` typed and frozen (None: no speculation). The dict stays vLLM's shape
+        for the YAML and the printed config; every reader outside ``rl_specdec.config`` takes this instead."""
+        return Speculation.from_vllm(self.vllm_kwargs.get("speculative_config"))
+
+    def without_speculation(self) -> GenerationConfig:
+        """These settings with speculation off (what a group restarts with when speculation is turned off)."""
+        kw = {k: v for k, v in self.vllm_kwargs.items() if k != "speculative_config"}
+        return dataclasses.replace(self, vllm_kwargs=kw)
 
     def runtime_k_on(self) -> bool:
         """Run-time k is installed: ``speculation_control`` is on and the engines speculate."""
-        return self.speculation_control.mode != "off" and self.vllm_kwargs.get("speculative_config") is not None
+        return self.speculation_control.mode != "off" and self.speculation is not None
 
     def vllm_hook_features(self, server: bool = False) -> tuple[str, ...]:
         """The groups of vLLM hooks an engine with these settings uses (``rl_specdec.vllm_ext.FEATURES``)."""

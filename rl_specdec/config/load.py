@@ -14,24 +14,21 @@
    (:func:`resolve_device_and_dtype`; on a cluster whose head has no GPU but
    whose workers do, set ``policy.device=cuda``);
 6. validates the engine arguments (:func:`check_engine_args`): vLLM's gate
-   (the hooks fit the installed vLLM), the ``toy:*`` names, and every key of
-   ``vllm_kwargs`` and its ``speculative_config`` against vLLM's own
-   declarations (:mod:`rl_specdec.config.vllm_kwargs`), filling in the RL
-   defaults. This reads no model file and fetches nothing, so it runs the same
-   on any machine, also with ``resolve_models=False``;
-7. with ``resolve_models`` (the default), resolves model names
-   (:func:`resolve_model_paths`): ``toy:policy`` / ``toy:drafter`` become the
-   embedded toy models (built and cached the first time), a local-looking path
-   must be a folder, and a ``draft_model`` drafter's vocabulary is compared with
-   the policy's where both are local folders. Hub ids are left to vLLM.
+   (the hooks fit the installed vLLM), the model names (``toy:*``, ``pkg:*``:
+   :mod:`rl_specdec.config.models`), and every key of ``vllm_kwargs`` and its
+   ``speculative_config`` against vLLM's own declarations
+   (:mod:`rl_specdec.config.vllm_kwargs`), filling in the RL defaults.
 
+Loading reads no model file, builds nothing and fetches nothing, so it runs the same on any machine.
+Turning ``toy:*`` and ``pkg:*`` names into folders (built or converted the first time) is a step of its own,
+:func:`rl_specdec.toy.resolve.prepare_models`, which a run's setup calls.
 Everything happens before any Ray actor starts, so a bad config costs seconds.
 Whether this machine's vLLM backend can run the speculation method (eagle3 on
 the CPU build, suffix without arctic-inference) is not a property of the config:
 :func:`check_runs_here` asks it where a run starts (``grpo.run.setup``), so a
 config prints and validates anywhere.
-:func:`load_config_as_written` runs steps 1-6 but changes nothing and builds
-no model: the config as the user wrote it (``--print-config``).
+:func:`load_config_as_written` runs steps 1-6 but changes nothing: the config as the user wrote it
+(``--print-config``).
 ``${...}`` interpolation works as in any OmegaConf file.
 """
 
@@ -47,7 +44,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from rl_specdec.config import checks, precision
 from rl_specdec.config.checks import validate
 from rl_specdec.config.layers import apply_overrides, read_yaml
-from rl_specdec.config.schema import TOY_MODELS, TOY_PREFIX, PolicyConfig, RunConfig
+from rl_specdec.config.models import DRAFTER_KEY, check_name
+from rl_specdec.config.schema import PolicyConfig, RunConfig
 from rl_specdec.errors import ConfigError
 
 
@@ -111,22 +109,16 @@ def _load_unresolved(path: str | os.PathLike | None, overrides: list[str] | None
     return cfg
 
 
-def load_config(
-    path: str | os.PathLike | None = None, overrides: list[str] | None = None, *, resolve_models: bool = True
-) -> RunConfig:
-    """Load, merge, type-check and validate a run config; with ``resolve_models``, resolve its models. See module
-    doc."""
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load, merge, type-check and validate a run config; builds nothing (see module doc)."""
     cfg = _load_unresolved(path, overrides)
     resolve_device_and_dtype(cfg.policy)
     check_engine_args(cfg)
-    if resolve_models:
-        resolve_model_paths(cfg)
     return cfg
 
 
 def load_config_as_written(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """The config as written (``toy:policy``, ``auto``), after every check of :func:`load_config` but the model
-    resolution; builds nothing."""
+    """The config as written (``auto`` unresolved), after every check of :func:`load_config`."""
     cfg = _load_unresolved(path, overrides)
     probe = copy.deepcopy(cfg)
     resolve_device_and_dtype(probe.policy)
@@ -134,110 +126,24 @@ def load_config_as_written(path: str | os.PathLike | None = None, overrides: lis
     return cfg
 
 
-# ---- validation and resolution --------------------------------------------------------------------------------
-
-DRAFTER_KEY = "policy.generation.vllm_kwargs.speculative_config.model"
-
-
-def _toy_model(name: str, key: str) -> tuple[str, str] | None:
-    """(toy pair, attribute of its folders) for a ``toy:*`` name, None for any other name."""
-    if not name.startswith(TOY_PREFIX):
-        return None
-    which = name[len(TOY_PREFIX) :]
-    if which not in TOY_MODELS:
-        raise ConfigError(f"{key}={name!r}: the embedded models are {', '.join('toy:' + m for m in TOY_MODELS)}")
-    return TOY_MODELS[which]
+# ---- validation ------------------------------------------------------------------------------------------------
 
 
 def check_engine_args(cfg: RunConfig) -> None:
-    """vLLM's gate, the ``toy:*`` names, and ``vllm_kwargs`` against vLLM's declarations, its RL defaults filled
-    in. No model file is read and nothing is fetched: a hub id is a name here."""
+    """vLLM's gate, the ``toy:*`` and ``pkg:*`` names, and ``vllm_kwargs`` against vLLM's declarations, its RL
+    defaults filled in. No model file is read and nothing is fetched: a hub id is a name here."""
     from rl_specdec.config.speculation import check_trainable_method
     from rl_specdec.config.vllm_kwargs import validate_vllm_kwargs
     from rl_specdec.vllm_ext import check_vllm
 
     gen = cfg.policy.generation
     check_vllm(gen.allow_untested_vllm, gen.vllm_hook_features())  # before anything else reads vLLM
-    _check_name(cfg.policy.model_name, "policy.model_name")
+    check_name(cfg.policy.model_name, "policy.model_name")
     gen.vllm_kwargs = validate_vllm_kwargs(gen.vllm_kwargs, None, training=True)
     check_trainable_method(gen)  # after vLLM's check: an unknown method is named as vLLM's, not as untrainable
     spec = gen.vllm_kwargs.get("speculative_config")
     if spec and spec.get("model"):
-        _check_name(spec["model"], DRAFTER_KEY)
-
-
-def _check_name(name: str, key: str) -> None:
-    """A ``toy:*`` name is one of the embedded models; a ``pkg:*`` name's package is installed (nothing built)."""
-    from rl_specdec.toy.packaged import PKG_PREFIX, packaged_model_path
-
-    if name.startswith(PKG_PREFIX):
-        packaged_model_path(name, key, build=False)
-    else:
-        _toy_model(name, key)
-
-
-def _resolve_one(name: str, key: str, toy_paths) -> str:
-    from rl_specdec.toy.packaged import PKG_PREFIX, packaged_model_path  # stdlib only until a model is built
-
-    if name.startswith(PKG_PREFIX):  # a model shipped in a PyPI package, converted once into a cached folder
-        return packaged_model_path(name, key)
-    toy = _toy_model(name, key)
-    if toy is not None:
-        pair, attr = toy
-        if attr.startswith("eagle3"):  # a head for the pair's policy, trained on it the first time (or untrained)
-            from rl_specdec.toy.heads import HeadBuildConfig, build_head
-
-            cfg = HeadBuildConfig(steps=0) if attr == "eagle3-untrained" else None
-            return str(build_head(toy_paths(pair), cfg))
-        return str(getattr(toy_paths(pair), attr))
-    looks_local = name.startswith(("/", "./", "../", "~")) or os.path.exists(name)
-    if looks_local and not Path(os.path.expanduser(name)).is_dir():
-        raise ConfigError(f"{key}={name!r} is not a directory; give a local Hugging Face model folder or a hub id")
-    return os.path.expanduser(name) if looks_local else name
-
-
-def resolve_model_paths(cfg: RunConfig) -> None:
-    """Replace toy:* names with their built folders and check local paths; then compare the drafter's vocabulary
-    with the policy's where both are local folders. A hub id stays a name: nothing is fetched."""
-    from rl_specdec.config.vllm_kwargs import check_drafter_vocabulary
-
-    cache: dict[str, Any] = {}
-
-    def toy_paths(pair: str):
-        if pair not in cache:
-            from rl_specdec.toy.build import build_toy_models
-            from rl_specdec.toy.longtail import build_longtail_models
-            from rl_specdec.toy.wide import build_wide_models
-
-            builders = {"digits": build_toy_models, "longtail": build_longtail_models, "wide": build_wide_models}
-            cache[pair] = builders[pair]()
-        return cache[pair]
-
-    cfg.policy.model_name = _resolve_one(cfg.policy.model_name, "policy.model_name", toy_paths)
-    spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
-    if spec and spec.get("model"):
-        spec["model"] = _resolve_one(spec["model"], DRAFTER_KEY, toy_paths)
-    check_drafter_vocabulary(spec, cfg.policy.model_name)
-    if spec and spec.get("method") == "eagle3" and cfg.policy.generation.drafter_training.enabled:
-        _check_trainable_head(spec["model"])
-
-
-def _check_trainable_head(folder: str) -> None:
-    import json
-
-    from rl_specdec.heads.eagle3 import untrainable
-
-    path = Path(folder) / "config.json"
-    if not os.path.isdir(folder):  # a hub id: read when the policy workers load it
-        return
-    why = untrainable(json.loads(path.read_text()) if path.is_file() else {})
-    if why:
-        raise ConfigError(
-            f"{DRAFTER_KEY}={folder!r} with policy.generation.drafter_training.enabled=true: the trainer cannot "
-            f"train this head ({why}). Use a one-layer Llama EAGLE-3 head, or one built here (toy:eagle3, "
-            "toy:wide-eagle3, pkg:smollm2-135m-instruct-eagle3), or set drafter_training.enabled=false to serve "
-            "this head frozen."
-        )
+        check_name(spec["model"], DRAFTER_KEY)
 
 
 def check_runs_here(cfg: RunConfig) -> None:

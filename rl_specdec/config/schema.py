@@ -7,21 +7,7 @@ from typing import Any, Optional
 
 from rl_specdec.config.generation import ClusterConfig, GenerationConfig
 
-TOY_PREFIX = "toy:"
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# toy:<name> -> (which toy pair, the ToyModels attribute holding its folder)
-TOY_MODELS = {
-    "policy": ("digits", "policy"),
-    "drafter": ("digits", "drafter"),
-    "drafter-untrained": ("digits", "drafter_untrained"),
-    "eagle3": ("digits", "eagle3"),
-    "eagle3-untrained": ("digits", "eagle3-untrained"),
-    "longtail-policy": ("longtail", "policy"),
-    "longtail-drafter": ("longtail", "drafter"),
-    "wide-policy": ("wide", "policy"),
-    "wide-drafter": ("wide", "drafter"),
-    "wide-eagle3": ("wide", "eagle3"),
-}
 
 
 @dataclass

@@ -75,7 +75,7 @@ class DrafterUpkeep:
         self.training, self.trainer = gen.drafter_training, trainer
         c = gen.acceptance_canary
         self.canary, self.action = AcceptanceCanary(min_ratio=c.min_ratio, window=c.window), c.action
-        self.speculating = gen.vllm_kwargs.get("speculative_config") is not None
+        self.speculating = gen.speculation is not None
         self._batch = None
 
     @classmethod
@@ -84,11 +84,11 @@ class DrafterUpkeep:
         if cfg.policy.generation.drafter_training.enabled:
             from rl_specdec.drafter import RayDrafter
 
-            spec = cfg.policy.generation.vllm_kwargs["speculative_config"]
-            if spec["method"] == "eagle3":
+            spec = cfg.policy.generation.speculation
+            if spec.is_head:
                 return cls(cfg, PolicyHead(policy))
             trainer = RayDrafter(
-                spec["model"],
+                spec.model,
                 cfg.policy.generation.drafter_training,
                 cfg.policy.precision,
                 cfg.seed,

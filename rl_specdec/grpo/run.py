@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_specdec.config import RunConfig, check_cluster_resources, check_runs_here, to_dict
+from rl_specdec.toy.resolve import prepare_models
 from rl_specdec.drafter.upkeep import DrafterUpkeep
 from rl_specdec.errors import GenerationEngineDied, PolicyWorkerDied
 from rl_specdec.grpo.checkpoint import CheckpointManager
@@ -66,8 +67,10 @@ class GRPORun:
 
 
 def setup(cfg: RunConfig) -> GRPORun:
-    """Start the logger, Ray, the engines and the policy; sync weights; restore a checkpoint if resuming."""
+    """Prepare the models, start the logger, Ray, the engines and the policy; sync weights; restore a checkpoint if
+    resuming."""
     check_runs_here(cfg)  # a method this machine's vLLM cannot run (eagle3 on the CPU build): before anything starts
+    prepare_models(cfg)  # toy:* and pkg:* names become folders, built the first time
     ckpt_dir = cfg.checkpoint.dir or str(Path(cfg.logger.log_dir) / "checkpoints")
     checkpoints = CheckpointManager(ckpt_dir, cfg.checkpoint.keep) if cfg.checkpoint.enabled else None
     latest = checkpoints.latest() if (checkpoints and cfg.resume) else None

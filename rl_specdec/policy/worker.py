@@ -290,13 +290,13 @@ class PolicyWorker:
 def trained_head(cfg: PolicyConfig, device: torch.device, refit_dtype: torch.dtype, target_layers: int):
     """The head this worker trains: drafter_training on an eagle3 engine; else None. ``target_layers``: the
     policy's, for a published head that names no aux layers (vLLM then reads its default ones)."""
-    spec = cfg.generation.vllm_kwargs.get("speculative_config") or {}
-    if not (cfg.generation.drafter_training.enabled and spec.get("method") == "eagle3"):
+    spec = cfg.generation.speculation
+    if not (cfg.generation.drafter_training.enabled and spec is not None and spec.is_head):
         return None
     from rl_specdec.policy.head import HeadTrainer
 
     bf16 = precision.COMPUTE[cfg.precision] == "bfloat16"
-    return HeadTrainer(spec["model"], cfg.generation.drafter_training, device, refit_dtype, bf16, target_layers)
+    return HeadTrainer(spec.model, cfg.generation.drafter_training, device, refit_dtype, bf16, target_layers)
 
 
 def balanced_split(lengths: list[int], parts: int, budget: int) -> list[int]:

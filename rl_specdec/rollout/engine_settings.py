@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rl_specdec.config.generation import GenerationConfig
 from rl_specdec.errors import ConfigError
 
 KEY = "policy.generation.vllm_kwargs"
@@ -78,13 +79,10 @@ class Mismatch:
         return f"{name}: requested {self.requested!r}, the engine runs {self.effective!r}{why}"
 
 
-def requested(vllm_kwargs: dict[str, Any]) -> dict[str, Any]:
+def requested(gen: GenerationConfig) -> dict[str, Any]:
     """The compared settings the user set, in the flat keys of the read-back."""
-    out = {k: v for k, v in vllm_kwargs.items() if k in COMPARED and v is not None}
-    for k, v in (vllm_kwargs.get("speculative_config") or {}).items():
-        if f"speculative/{k}" in COMPARED and v is not None:
-            out[f"speculative/{k}"] = v
-    return out
+    asked = {**gen.vllm_kwargs, **(gen.speculation.settings() if gen.speculation else {})}
+    return {k: v for k, v in asked.items() if k in COMPARED and v is not None}
 
 
 def _norm(v: Any) -> Any:
@@ -98,12 +96,12 @@ def _same(a: Any, b: Any) -> bool:
     return _norm(a) == _norm(b)
 
 
-def mismatches(vllm_kwargs: dict[str, Any], effective: dict[str, Any]) -> list[Mismatch]:
+def mismatches(gen: GenerationConfig, effective: dict[str, Any]) -> list[Mismatch]:
     """Every setting the user asked for that the engine does not run. ``dtype: auto`` asks for nothing."""
     backend = effective.get("backend")
     owned = RUN_TIME_K if effective.get("speculation_control/mode", "off") != "off" else ()
     out = []
-    for key, want in requested(vllm_kwargs).items():
+    for key, want in requested(gen).items():
         if (key == "dtype" and want == "auto") or key in owned:
             continue
         have = effective.get(key)
@@ -127,11 +125,12 @@ def agree(per_engine: list[dict[str, Any]]) -> dict[str, Any]:
     return first
 
 
-def check(vllm_kwargs: dict[str, Any], per_engine: list[dict[str, Any]], strict: bool, warn) -> dict[str, Any]:
-    """Agreement, then mismatches: ``warn(message)`` once per setting, or ConfigError when ``strict``."""
+def check(gen: GenerationConfig, per_engine: list[dict[str, Any]], warn) -> dict[str, Any]:
+    """Agreement, then mismatches: ``warn(message)`` once per setting, or ConfigError under
+    ``gen.strict_engine_settings``."""
     settings = agree(per_engine)
-    found = mismatches(vllm_kwargs, settings)
-    if found and strict:
+    found = mismatches(gen, settings)
+    if found and gen.strict_engine_settings:
         lines = "; ".join(m.message() for m in found)
         raise ConfigError(
             f"the engines do not run what the config asks for: {lines}. Change the setting, or set "

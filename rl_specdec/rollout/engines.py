@@ -77,12 +77,7 @@ class EngineSlots:
             )
             self.engine_info = self._get([self._start_engine(i) for i in range(len(self.workers))])
             # what the engines really run; a setting vLLM did not honour is a warning (or, strict, an error)
-            self.settings = engine_settings.check(
-                config.vllm_kwargs,
-                [i["settings"] for i in self.engine_info],
-                config.strict_engine_settings,
-                logger.warning,
-            )
+            self.settings = engine_settings.check(config, [i["settings"] for i in self.engine_info], logger.warning)
         except BaseException:  # a failed start must not leave actors or reserved CPUs/GPUs behind
             self.shutdown()
             raise

@@ -17,7 +17,6 @@ group behind.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any, Iterable, Iterator, Sequence
@@ -196,8 +195,7 @@ class VllmGeneration(EngineSlots):
         if self.control_on:  # run-time k: k=0 through the fast path, no restart
             self.set_speculation(0)
             return
-        vllm_kwargs = {k: v for k, v in self.config.vllm_kwargs.items() if k != "speculative_config"}
-        self.restart(dataclasses.replace(self.config, vllm_kwargs=vllm_kwargs))
+        self.restart(self.config.without_speculation())
 
     def engine_counters(self) -> list[dict[str, Any]]:
         """Each engine's cumulative spec-decode counters (all its traffic); for tools and tests.

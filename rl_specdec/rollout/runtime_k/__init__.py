@@ -3,7 +3,8 @@
 
 An opt-in feature for ``draft_model`` speculation, removable as a unit:
 
-* :mod:`.engine_args`: the engine arguments it needs (vLLM's dynamic-k mode, k_max, the scheduler class);
+* the engine arguments it needs (vLLM's dynamic-k mode, k_max, the scheduler class) are built with every
+  other engine argument in :mod:`rl_specdec.config.engine_args`;
 * :mod:`.startup`: its installation in a new engine, and the start-up self-check of the k=0 fast path;
 * :mod:`.control`: the ``collective_rpc`` methods (install, set k, report) and the per-engine state;
 * :mod:`.controller`: the adaptive controller (pure logic, numpy only), which picks k per batch-size bucket;

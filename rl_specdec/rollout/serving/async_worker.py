@@ -53,8 +53,8 @@ class AsyncVllmWorker(VllmWorkerBase):
         self.engine = None
         self.server = None
 
-    def _async_engine_kwargs(self, config: GenerationConfig) -> dict[str, Any]:
-        kwargs = self._engine_kwargs(config)
+    def _async_engine_kwargs(self, config: GenerationConfig, model: str, seed: int) -> dict[str, Any]:
+        kwargs = self._engine_kwargs(config, model, seed)
         if platform.is_cpu():
             world = int(kwargs.get("tensor_parallel_size", 1)) * int(kwargs.get("pipeline_parallel_size", 1))
             if world > 1 or kwargs.get("distributed_executor_backend") not in (None, "uni"):
@@ -75,8 +75,8 @@ class AsyncVllmWorker(VllmWorkerBase):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = self._async_engine_kwargs(config)
-        self.engine, self.seed = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, seed=seed, **kwargs)), seed
+        kwargs = self._async_engine_kwargs(config, model, seed)
+        self.engine, self.seed = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), seed
         self._note_platform()
         await self._drive(self._control_script(config, seed))
         facts = (await self.engine.collective_rpc("rl_specdec_engine_facts"))[0]

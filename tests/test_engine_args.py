@@ -1,0 +1,91 @@
+"""From YAML to the engine: the typed speculation object and :func:`engine_args`, the one function that builds
+what an engine receives.
+
+``tests/fixtures/engine_args.json`` holds the engine arguments every shipped config (and a few run-time-k and
+method overrides) gave before the speculative config was typed; they must come out the same."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rl_specdec.config import Speculation, checks, engine_args, load_config, precision
+from rl_specdec.config.generation import GenerationConfig, SpeculationControlConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAPSHOT = json.loads((ROOT / "tests/fixtures/engine_args.json").read_text())
+EXTENSION = "rl_specdec.rollout.engine_ext.RlSpecdecExtension"
+
+
+@pytest.fixture
+def cpu_without_bf16(monkeypatch):
+    """``auto`` resolves as on the machine the snapshot was taken on: no CUDA, no native bf16."""
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(checks, "cuda_available", lambda: False)
+
+
+def test_the_snapshot_covers_every_shipped_config():
+    assert {c["config"] for c in SNAPSHOT} == {p.name for p in (ROOT / "configs").glob("*.yaml")}
+
+
+@pytest.mark.parametrize("case", SNAPSHOT, ids=lambda c: " ".join([c["config"], *c["overrides"]])[:80])
+def test_every_config_gives_the_engine_arguments_it_gave(case, cpu_without_bf16):
+    cfg = load_config(ROOT / "configs" / case["config"], case["overrides"])
+    got = engine_args(cfg.policy.generation, cfg.policy.model_name, cfg.seed, EXTENSION, quiet=case.get("quiet", False))
+    assert json.loads(json.dumps(got)) == case["engine_args"]
+
+
+def test_the_extension_named_is_the_engines():
+    from rl_specdec.rollout.engine_ext import EXTENSION as actual
+
+    assert EXTENSION == actual
+
+
+def test_a_changed_speculation_fails_the_comparison(cpu_without_bf16):
+    """Negative control: the comparison sees a k of 4 instead of 3."""
+    case = next(c for c in SNAPSHOT if c["config"] == "grpo_spec.yaml" and not c["overrides"])
+    cfg = load_config(
+        ROOT / "configs/grpo_spec.yaml", ["policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens=4"]
+    )
+    got = engine_args(cfg.policy.generation, cfg.policy.model_name, cfg.seed, EXTENSION)
+    assert json.loads(json.dumps(got)) != case["engine_args"]
+
+
+def test_speculation_is_typed_frozen_and_round_trips():
+    raw = {
+        "method": "draft_model",
+        "model": "/d",
+        "num_speculative_tokens": 4,
+        "num_speculative_tokens_per_batch_size": [[1, 8, 4], [9, 64, 2]],
+        "draft_sample_method": "probabilistic",
+    }
+    spec = Speculation.from_vllm(raw)
+    assert (spec.method, spec.model, spec.k, spec.schedule) == ("draft_model", "/d", 4, ((1, 8, 4), (9, 64, 2)))
+    assert spec.to_vllm() == raw and not spec.is_head
+    with pytest.raises(AttributeError):
+        spec.k = 5  # frozen
+    with pytest.raises(TypeError):
+        spec.options["draft_sample_method"] = "greedy"  # read-only
+    assert Speculation.from_vllm(None) is None
+    assert Speculation.from_vllm({"method": "ngram", "num_speculative_tokens": 3}).model is None
+
+
+def test_runtime_k_settings_come_from_the_object():
+    spec = Speculation.from_vllm({"method": "draft_model", "model": "/d", "num_speculative_tokens": 3})
+    at = spec.to_vllm(SpeculationControlConfig(mode="fixed", k_max=5, draft_below=16))
+    assert at["num_speculative_tokens"] == 5
+    assert at["num_speculative_tokens_per_batch_size"] == [[1, 15, 3], [16, 1 << 16, 0]]
+    assert spec.to_vllm(SpeculationControlConfig(mode="fixed"))["num_speculative_tokens_per_batch_size"] == [
+        [1, 1 << 16, 3]
+    ]
+
+
+def test_a_generation_config_reads_speculation_as_the_object():
+    gen = GenerationConfig(
+        vllm_kwargs={"speculative_config": {"method": "eagle3", "model": "/h", "num_speculative_tokens": 2}}
+    )
+    assert gen.speculation.is_head and gen.speculation.k == 2
+    off = gen.without_speculation()
+    assert off.speculation is None and gen.speculation is not None  # a copy; the original keeps its drafter
