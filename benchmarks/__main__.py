@@ -5,38 +5,55 @@
     python -m benchmarks <command> --help    # a command's own options
 
 Each command writes its report (markdown, JSON, plots where it draws them) to results/<command> unless --out
-says otherwise, headed by the machine it ran on. The one-off studies behind docs' experiments are in
-benchmarks/studies/ (benchmarks/README.md maps them).
+says otherwise, headed by the machine it ran on. Run it from the repository's root. The one-off studies behind
+docs' experiments are in benchmarks/studies/, each run as python -m benchmarks.studies.<name> (benchmarks/README.md
+maps them).
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from typing import NamedTuple
 
-# the tools import each other as siblings (they also run as python benchmarks/<tool>.py)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 
 class Command(NamedTuple):
-    module: str  # a module in benchmarks/
+    module: str  # its module, by its full name (benchmarks.<folder>.<module>)
     function: str  # its entry point: function(argv) -> exit status or None
     question: str  # what it answers, for --help
 
 
 COMMANDS: dict[str, Command] = {
-    "grpo": Command("bench", "grpo_main", "How much faster is a GRPO step with speculation? Variants side by side"),
-    "staleness": Command("bench", "staleness_main", "Does a frozen drafter go stale while the policy trains?"),
-    "peer": Command("bench", "peer_main", "How does a step compare with TRL's GRPOTrainer on the same task?"),
-    "rollout": Command("rollout", "main", "Which speculation method and k generate fastest, per batch size?"),
-    "cost-table": Command("cost_table", "main", "What does an engine step cost at batch b and k drafts, measured?"),
-    "gpu-whatif": Command("gpu_whatif", "main", "What would speculation buy on a GPU? (a model, not a measurement)"),
-    "gpu-torch": Command("gpu_torch", "main", "How fast are the train step and decode kernels on this GPU?"),
-    "gpu-head": Command("gpu_head", "main", "What does training an EAGLE-3 head online cost a step on this GPU?"),
-    "refit": Command("refit", "main", "What does handing the weights to the engines cost, whole or bucketed?"),
-    "exactness": Command("exactness", "main", "Is every sampled token's log-prob the trainer's while k changes?"),
+    "grpo": Command(
+        "benchmarks.grpo.bench", "grpo_main", "How much faster is a GRPO step with speculation? Variants side by side"
+    ),
+    "staleness": Command(
+        "benchmarks.grpo.bench", "staleness_main", "Does a frozen drafter go stale while the policy trains?"
+    ),
+    "peer": Command(
+        "benchmarks.grpo.bench", "peer_main", "How does a step compare with TRL's GRPOTrainer on the same task?"
+    ),
+    "rollout": Command(
+        "benchmarks.rollout.rollout", "main", "Which speculation method and k generate fastest, per batch size?"
+    ),
+    "cost-table": Command(
+        "benchmarks.rollout.cost_table", "main", "What does an engine step cost at batch b and k drafts, measured?"
+    ),
+    "gpu-whatif": Command(
+        "benchmarks.gpu.gpu_whatif", "main", "What would speculation buy on a GPU? (a model, not a measurement)"
+    ),
+    "gpu-torch": Command(
+        "benchmarks.gpu.gpu_torch", "main", "How fast are the train step and decode kernels on this GPU?"
+    ),
+    "gpu-head": Command(
+        "benchmarks.gpu.gpu_head", "main", "What does training an EAGLE-3 head online cost a step on this GPU?"
+    ),
+    "refit": Command(
+        "benchmarks.refit.refit", "main", "What does handing the weights to the engines cost, whole or bucketed?"
+    ),
+    "exactness": Command(
+        "benchmarks.exactness.exactness", "main", "Is every sampled token's log-prob the trainer's while k changes?"
+    ),
 }
 
 

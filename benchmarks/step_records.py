@@ -1,6 +1,7 @@
 """An engine extension for benchmarks: the package's, plus one RPC that returns (and clears) the engine steps
-the run-time-k fast path recorded (its StepRecords, as dicts). Engines load it by name, so the benchmarks
-folder must be importable in Ray's workers: :func:`importable` puts it on PYTHONPATH before Ray starts."""
+the run-time-k fast path recorded (its StepRecords, as dicts). Engines load it by name
+(``benchmarks.step_records.StepRecordExtension``), so the benchmarks package must be importable in Ray's workers:
+:func:`importable` puts the repository's root on PYTHONPATH before Ray starts."""
 
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ class StepRecordExtension(RlSpecdecExtension):
         return out
 
 
-def importable(*folders: Path) -> None:
-    """This folder (and ``folders``: a study's own, for its modules the actors load) on PYTHONPATH, for the Ray
-    workers and engine processes started after this call."""
+def importable() -> None:
+    """The repository's root (the folder that holds ``benchmarks/``) on PYTHONPATH, for the Ray workers and engine
+    processes started after this call: they import the benchmarks' modules (extensions, a study's actor code) as
+    ``benchmarks.<...>``, whatever their working folder."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    for here in (str(Path(f).resolve()) for f in (Path(__file__).parent, *folders)):
-        if here not in paths:
-            paths.insert(0, here)
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in paths:
+        paths.insert(0, root)
     os.environ["PYTHONPATH"] = os.pathsep.join(paths)
 
 

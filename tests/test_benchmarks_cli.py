@@ -1,11 +1,11 @@
-"""``python -m benchmarks``: every command is listed and takes --help, every study still runs as a script, the
-GRPO command's defaults come from the shipped config, and no two GRPO variants run the same settings. No engine
-starts: only parsers and configs are exercised."""
+"""``python -m benchmarks``: every command is listed and takes --help, every study runs as a module from the
+repository's root (``python -m benchmarks.studies.<name> --help``), the GRPO command's defaults come from the shipped
+config, and no two GRPO variants run the same settings. No engine starts: only parsers and configs are exercised.
+Nothing puts a folder on the path: ``python -m`` and ``python -c`` run from the root find ``benchmarks`` there."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ROOT / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
 
 COMMANDS = (
     "grpo",
@@ -30,25 +28,16 @@ COMMANDS = (
     "refit",
     "exactness",
 )
-STUDIES = (
-    "agent_success",
-    "engine_start",
-    "grpo_gap",
-    "k0_cost",
-    "k_profile",
-    "runtime_libs",
-    "server_concurrency",
-    "tail_rates",
-    "train_phase",
-    "train_step",
+# every module of benchmarks/studies/ that runs (engine_parts is a part of k0_cost's, run by none)
+STUDIES = tuple(
+    sorted(p.stem for p in (ROOT / "benchmarks" / "studies").glob("*.py") if '__name__ == "__main__"' in p.read_text())
 )
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 # One process per group, each importing torch once: `python -m benchmarks <command> --help` is __main__.main,
-# and `python <study>.py --help` is the script run as __main__ with its folder first on sys.path.
+# and `python -m benchmarks.studies.<name> --help` is runpy.run_module, as `python -m` runs it (from the root).
 RUNNER = textwrap.dedent(
     """
-    import os, runpy, sys
+    import runpy, sys
     kind, names = sys.argv[1], sys.argv[2:]
     codes = {}
     for name in names:
@@ -57,8 +46,7 @@ RUNNER = textwrap.dedent(
             call = lambda: main([name, "--help"])
         else:
             sys.argv = [name, "--help"]
-            sys.path.insert(0, os.path.dirname(name))
-            call = lambda: runpy.run_path(name, run_name="__main__")
+            call = lambda: runpy.run_module(name, run_name="__main__", alter_sys=True)
         try:
             codes[name] = call()
         except SystemExit as e:
@@ -69,9 +57,7 @@ RUNNER = textwrap.dedent(
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, check=False
-    )
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
 
 
 def _codes(proc: subprocess.CompletedProcess) -> dict:
@@ -84,14 +70,14 @@ def test_help_lists_every_command_and_each_command_and_study_takes_help():
     with ThreadPoolExecutor(3) as pool:
         top = pool.submit(_run, "-m", "benchmarks", "--help")
         commands = pool.submit(_run, "-c", RUNNER, "command", *COMMANDS)
-        studies = pool.submit(_run, "-c", RUNNER, "study", *(str(BENCHMARKS / "studies" / f"{s}.py") for s in STUDIES))
+        studies = pool.submit(_run, "-c", RUNNER, "study", *(f"benchmarks.studies.{s}" for s in STUDIES))
     listed = {line.split()[0] for line in top.result().stdout.split("commands:")[1].splitlines() if line.strip()}
     assert top.result().returncode == 0 and listed == set(COMMANDS)
     got = _codes(commands.result())
     assert got == {c: 0 for c in COMMANDS}, commands.result().stderr[-2000:]
     assert "usage: python -m benchmarks grpo" in commands.result().stdout  # the tool's help names the command
     got = _codes(studies.result())
-    assert got == {str(BENCHMARKS / "studies" / f"{s}.py"): 0 for s in STUDIES}, studies.result().stderr[-2000:]
+    assert got == {f"benchmarks.studies.{s}": 0 for s in STUDIES}, studies.result().stderr[-2000:]
 
 
 def test_an_unknown_command_is_refused_with_the_choices():
@@ -100,8 +86,7 @@ def test_an_unknown_command_is_refused_with_the_choices():
 
 
 def test_grpo_steps_default_to_the_shipped_config_and_quick_runs_the_default_against_its_baseline():
-    import bench_args
-
+    from benchmarks.grpo import bench_args
     from rl_specdec.config import load_config
 
     shipped = load_config(ROOT / "configs/grpo_spec.yaml").grpo.max_steps
@@ -120,8 +105,7 @@ def test_no_two_grpo_variants_run_the_same_settings():
     """Each variant's effective config (as bench_runs runs it, with a --steps of its own) differs from every
     other's, but for the deliberate pairs: the A/A control, and the precision pins (one of each pair is what
     precision=auto picks on a given machine)."""
-    from bench_variants import GRPO_VARIANTS, PRECISION_VARIANTS, REPO
-
+    from benchmarks.grpo.bench_variants import GRPO_VARIANTS, PRECISION_VARIANTS, REPO
     from rl_specdec.config import load_config
 
     allowed = {"grpo_base again"} | PRECISION_VARIANTS
@@ -156,7 +140,7 @@ def test_machine_label_names_vendor_family_cores_and_best_vector_extension(monke
 def test_train_phase_is_pooled_within_each_workload_and_kept_for_variants_that_change_it():
     """The real model's variants pool their train phase like the wide pair's; a variant whose train phase holds its
     own work (the head trained online) keeps its own, and no workload's mean leaks into another's."""
-    from bench_runs import pool_train_time
+    from benchmarks.grpo.bench_runs import pool_train_time
 
     def run(step, train):
         return {"step_mean_s": step, "train_s": train}

@@ -4,29 +4,22 @@ One toy engine with draft_model speculation, run-time k and prefix caching. The 
 at k=0 on every step (the fast path runs vLLM's own no-speculation code). Then k changes on almost every
 engine step: random k, k=0 stretches followed by drafting with the drafter catch-up, prompts repeated as
 GRPO repeats them (prefix-cache hits on blocks written in plain steps). Every sampled token's log-prob is
-scored again as the trainer scores it (benchmarks/exactness_check.py), and the worst difference must stay
+scored again as the trainer scores it (benchmarks/exactness/exactness_check.py), and the worst difference must stay
 within a bound derived from the dtype and from the control (``exactness_check.bound``), not a constant.
-benchmarks/exactness.py runs the same check at length, on the toy and wide pairs.
+benchmarks/exactness/exactness.py runs the same check at length, on the toy and wide pairs.
 """
 
 from __future__ import annotations
-
-import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from benchmarks.exactness import exactness_check as ec
+from benchmarks.exactness import exactness_engine
+from benchmarks.step_records import importable
 from conftest import draft_spec, start_engine
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-
-import exactness_check as ec  # noqa: E402
-import exactness_engine  # noqa: E402
-from step_records import importable  # noqa: E402
-
-from rl_specdec.rollout import SamplingSettings  # noqa: E402
+from rl_specdec.rollout import SamplingSettings
 
 PROMPTS, REPEAT, MICRO_BATCH = 32, 8, 64  # 256 requests a call, the trainer's micro-batch of the default run
 STRETCHES = [0] * 8 + [3] * 3 + [0] * 5 + [1, 2, 3, 2] + [0] * 12 + [2] * 4 + [3, 0, 1, 0, 3, 3]
@@ -58,7 +51,7 @@ def test_a_saved_run_resumes_with_its_settings_and_every_token(tmp_path):
     difference are kept, and calls added after the resume land in the same tally (nothing lost, nothing twice)."""
     import argparse
 
-    from exactness_run import Run
+    from benchmarks.exactness.exactness_run import Run
 
     def call(tally, c, diffs):
         engine = [[-1.0 - d for d in diffs]]
@@ -197,7 +190,7 @@ def test_with_a_head_sampled_logprobs_are_the_trainers_while_k_changes_and_after
 ):
     """The same with an EAGLE-3 head: its k=0 steps run through vLLM's own path, and before the second call a
     refit puts a perturbed head in (what online head training does): the head only proposes."""
-    import exactness
+    from benchmarks.exactness import exactness
 
     def refit(call: int) -> None:
         if call == 1:

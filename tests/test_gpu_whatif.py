@@ -1,4 +1,4 @@
-"""benchmarks/gpu_whatif.py: the cost model against hand-computed cases, the simulator's token
+"""benchmarks/gpu/gpu_whatif.py: the cost model against hand-computed cases, the simulator's token
 accounting, the package's controller reaching the top bound where drafting is free, the calibration fit.
 Pure numpy: no engines, no Ray. Each test has a case that makes it fail if the code it covers is broken."""
 
@@ -7,22 +7,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-
-from whatif import calibrate as CAL  # noqa: E402
-from whatif import costmodel as C  # noqa: E402
-from whatif import hardware as H  # noqa: E402
-from whatif import models as M  # noqa: E402
-from whatif import policies as P  # noqa: E402
-from whatif import workload as W  # noqa: E402
-from whatif.grpo import predict_grpo  # noqa: E402
-from whatif.simulate import simulate_feedback, simulate_static  # noqa: E402
+from benchmarks.whatif import calibrate as CAL
+from benchmarks.whatif import costmodel as C
+from benchmarks.whatif import hardware as H
+from benchmarks.whatif import models as M
+from benchmarks.whatif import policies as P
+from benchmarks.whatif import workload as W
+from benchmarks.whatif.grpo import predict_grpo
+from benchmarks.whatif.simulate import simulate_feedback, simulate_static
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "cost_table_synthetic.json")
 
@@ -261,7 +258,7 @@ def test_grpo_prediction_recovers_a_phase_the_model_wrote_and_misses_with_wrong_
 def test_the_measured_wide_table_fits_within_the_documented_residuals():
     """docs/performance.md quotes this fit: 55 of 56 cells within 15%, the one miss (t(128, 4)) within 35%,
     the drafter pass (not fitted) within 20% (measured 0.71 ms, model 0.59 ms)."""
-    from whatif import measured
+    from benchmarks.whatif import measured
 
     tables = CAL.load_tables([str(measured.ROOT / p) for p in measured.TABLES])
     theta, prepared, meas, pred = CAL.fit(tables, log=lambda s: None)
@@ -297,7 +294,7 @@ def test_an_online_head_costs_its_update_and_a_draft_model_nothing_here():
 
 
 def test_the_script_runs_end_to_end_small(tmp_path, capsys):
-    import gpu_whatif
+    from benchmarks.gpu import gpu_whatif
 
     gpu_whatif.main(
         [
@@ -324,7 +321,7 @@ def test_the_script_runs_end_to_end_small(tmp_path, capsys):
     assert json.load(open(tmp_path / "cpu_constants.json"))["t_step"] > 0
 
 
-# ---- a GPU measurement (benchmarks/gpu_torch.py) against the model -----------------------------------
+# ---- a GPU measurement (benchmarks/gpu/gpu_torch.py) against the model -----------------------------------
 
 
 def test_the_gpu_fit_recovers_the_constants_that_made_the_passes():
@@ -332,7 +329,7 @@ def test_the_gpu_fit_recovers_the_constants_that_made_the_passes():
     passes (the negative control: a fit that returned the datasheet device would fail here)."""
     from dataclasses import asdict
 
-    from whatif import gpu_report as G
+    from benchmarks.whatif import gpu_report as G
 
     truth = replace(H.H200, eta_bw=0.9, eta_flops=0.55, t_layer=50e-6, **G.HOST_FREE)
     rows = []
@@ -360,7 +357,7 @@ def test_the_gpu_fit_recovers_the_constants_that_made_the_passes():
 
 
 def test_the_head_update_benchmark_runs_the_workers_loss_at_a_toy_shape(tmp_path, capsys):
-    import gpu_head
+    from benchmarks.gpu import gpu_head
 
     gpu_head.main(["--tiny", "--max-len", "32", "--prompt-len", "8", "--repeats", "1", "--out", str(tmp_path)])
     rows = json.load(open(tmp_path / "gpu_head.json"))["rows"]

@@ -1,16 +1,28 @@
-"""The layout the project keeps (docs/architecture.md): no file over 400 lines, no function over 80, and
-imports inside ``rl_specdec`` that point one way (no loop, counting imports made inside functions too).
+"""The layout the project keeps (docs/architecture.md): no file over 400 lines, no function over 80, imports
+inside ``rl_specdec`` and inside ``benchmarks`` that point one way (no loop, counting imports made inside functions
+too), no file that edits ``sys.path``, and the benchmarks imported as the package they are (``benchmarks.<...>``,
+never a module of theirs by its bare name).
 
 Each checker is shown to fail on a source built to break it (the negative controls)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKED = ("rl_specdec", "benchmarks", "examples", "tests", "scripts")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 80
+NO_PATH_EDITS = ("benchmarks", "tests", "examples", "scripts")
+# sys.path changed in place (a method that edits it, an item or a slice assigned, += or =), site.addsitedir, or
+# sys's path imported by name (path.insert then edits it unseen): in code, comments and strings (python -c) alike
+PATH_EDIT = re.compile(
+    r"\bsys\.path\s*(\.\s*(insert|append|extend|remove|pop|clear|__setitem__|__iadd__)\b|(\[[^\]\n]*\])?\s*\+?=(?!=))"
+    r"|\baddsitedir\b|\bfrom\s+sys\s+import\s+[^\n]*\bpath\b"
+)
 
 
 def too_long(path: str, source: str) -> list[str]:
@@ -82,6 +94,81 @@ def loops(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def path_edits(path: str, source: str) -> list[str]:
+    """``path:line`` for each line of ``source`` that edits ``sys.path`` (PATH_EDIT)."""
+    return [f"{path}:{n}" for n, line in enumerate(source.splitlines(), 1) if PATH_EDIT.search(line)]
+
+
+def benchmark_modules(root: Path) -> set[str]:
+    """The bare names a module of ``root`` (benchmarks/) could be imported by if its folder were on sys.path: every
+    module's and every package's name, at any depth."""
+    names = {p.stem for p in root.rglob("*.py")} | {p.parent.name for p in root.rglob("__init__.py")}
+    return names - {"__init__", "__main__", root.name}
+
+
+def bare_imports(path: str, source: str, names: set[str]) -> list[str]:
+    """``path:line import`` for each import of ``source`` (inside functions too) that names a module of ``names``
+    bare (``import bench_common``, ``from whatif import models``) or relatively (``from . import models``), where it
+    must be ``benchmarks.<...>``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            bad = [a.name for a in node.names if a.name.split(".")[0] in names]
+        elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in names):
+            bad = ["." * node.level + (node.module or "")]
+        else:
+            continue
+        out += [f"{path}:{node.lineno} {b}" for b in bad]
+    return out
+
+
+def test_no_file_edits_sys_path_and_benchmarks_are_imported_as_the_package():
+    names = benchmark_modules(ROOT / "benchmarks")
+    assert {"bench_common", "bench", "rollout", "whatif", "grpo", "k0_cost"} <= names, sorted(names)
+    edits, bare = [], []
+    for folder in NO_PATH_EDITS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel, source = str(path.relative_to(ROOT)), path.read_text()
+            if path != Path(__file__).resolve():  # this file spells the edits out, for the negative controls
+                edits += path_edits(rel, source)
+            bare += bare_imports(rel, source, names)
+    assert not edits, "run from the repository's root (python -m ...) instead of editing sys.path: " + "; ".join(edits)
+    assert not bare, "import these as benchmarks.<folder>.<module>: " + "; ".join(bare)
+
+
+def test_the_path_and_import_checks_catch_an_edit_and_a_bare_import():
+    for edit in (
+        "sys.path.insert(0, here)",
+        "sys.path.append(str(BENCHMARKS))",
+        "sys.path [:0] = [here]",
+        "sys.path = [here, *sys.path]",
+        "sys.path += [here]",
+        "site.addsitedir(here)",
+        "from sys import path",
+        'subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import lockstep"])',
+    ):
+        assert path_edits("a.py", f"import sys\n{edit}\n") == ["a.py:2"], edit
+    assert path_edits("b.py", "import sys\nprint(sys.path, sys.path[0] == here)\nenv['PYTHONPATH'] = here\n") == []
+    names = {"bench_common", "whatif", "lockstep"}
+    source = (
+        "import bench_common\n"
+        "from whatif.report import table\n"
+        "from . import models\n"
+        "def f():\n    import lockstep as ls\n"
+        "from benchmarks import bench_common\n"
+        "from benchmarks.whatif.report import table\n"
+        "import benchmarks.grpo.lockstep\n"
+        "import os, rl_specdec.rollout\n"
+    )
+    assert bare_imports("c.py", source, names) == [
+        "c.py:1 bench_common",
+        "c.py:2 whatif.report",
+        "c.py:3 .",
+        "c.py:5 lockstep",
+    ]
+    assert bare_imports("d.py", "\n".join(source.splitlines()[5:]), names) == []
+
+
 def test_no_file_over_400_lines_and_no_function_over_80():
     found = []
     for folder in CHECKED:
@@ -97,8 +184,9 @@ def test_the_size_check_catches_a_long_file_and_a_long_function():
     assert too_long("c.py", "def f():\n" + "    x = 1\n" * 79 + "x = 2\n" * 300) == []
 
 
-def test_imports_inside_the_package_point_one_way():
-    root = ROOT / "rl_specdec"
+@pytest.mark.parametrize("package", ["rl_specdec", "benchmarks"])
+def test_imports_inside_the_package_point_one_way(package):
+    root = ROOT / package
     sources = {module_name(p, ROOT): (p.read_text(), p.name == "__init__.py") for p in sorted(root.rglob("*.py"))}
     graph = import_graph(sources)
     assert sum(map(len, graph.values())) > 100, "the import graph is nearly empty: the parser misses imports"

@@ -1,4 +1,4 @@
-"""benchmarks/lockstep.py: runs that take turns step by step (bench.py --lockstep).
+"""benchmarks/grpo/lockstep.py: runs that take turns step by step (bench.py --lockstep).
 
 Real processes, each the real ring member (``lockstep.py member``), running a script whose GRPO step is a
 timed sleep in place of a GRPO run (pure logic: what is tested is the turn-taking, not GRPO).
@@ -6,16 +6,15 @@ timed sleep in place of a GRPO run (pure logic: what is tested is the turn-takin
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from benchmarks.grpo import lockstep
 
-import lockstep  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # A stand-in for examples/run_grpo.py: main(argv) runs `steps` steps through rl_specdec.grpo.loop.step_and_log,
 # each a sleep that records its span; `die` makes it exit without a word at that step; `linger` (seconds) starts,
@@ -123,9 +122,10 @@ def test_a_member_waits_for_its_turn(tmp_path):
         [
             sys.executable,
             "-c",
-            f"import sys, time, pathlib; sys.path.insert(0, {os.path.dirname(lockstep.__file__)!r}); import lockstep; "
+            "import time, pathlib; from benchmarks.grpo import lockstep; "
             f"time.sleep(0.3); lockstep.Baton(pathlib.Path({str(tmp_path)!r}), 0, 2).pass_on()",
-        ]
+        ],
+        cwd=ROOT,
     )
     second.wait()
     assert time.time() - t0 >= 0.3
@@ -136,7 +136,7 @@ def test_a_member_waits_for_its_turn(tmp_path):
 
 def test_a_ring_that_does_not_fit_in_memory_is_refused_before_it_starts():
     """Three or four runs of the wide pair in one ring do not fit 24 GiB (Ray killed workers in both); two do."""
-    import bench_variants
+    from benchmarks.grpo import bench_variants
 
     four = ["wide base", "wide k=4", "wide schedule corrected", "wide adaptive"]
     why = bench_variants.lockstep_memory_problem(four, total_gib=23.4)

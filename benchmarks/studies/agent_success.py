@@ -5,8 +5,8 @@ Runs ``examples/agent_grpo.py --json`` once per seed, each in a fresh process
 and right-key rate at temperature 1, before and after ``--steps`` GRPO steps.
 The tool toy is built on first use (cached), before the first seed runs.
 
-    python benchmarks/studies/agent_success.py                       # seeds 0 and 1, 30 steps
-    python benchmarks/studies/agent_success.py --seeds 0 1 2 --steps 20 --out results/agent
+    python -m benchmarks.studies.agent_success                       # seeds 0 and 1, 30 steps
+    python -m benchmarks.studies.agent_success --seeds 0 1 2 --steps 20 --out results/agent
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How long does the default config's engine take to start, cold and warm, and does vLLM's compile cache load?
 
-    python benchmarks/studies/engine_start.py                                # fix, nofix; 2 rounds (~15 min, 2 cores)
-    python benchmarks/studies/engine_start.py --variants fix,aot_off,eager --decode
+    python -m benchmarks.studies.engine_start                                # fix, nofix; 2 rounds (~15 min, 2 cores)
+    python -m benchmarks.studies.engine_start --variants fix,aot_off,eager --decode
 
 Each start is a fresh Python process that builds the engine as an engine actor does
 (``VllmWorker.start_engine``: in-process engine, the CPU fixes, the run-time k self-check), without Ray.
@@ -34,8 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path)
-from bench_common import add_out, cores_and_load, log, markdown_report
+from benchmarks.bench_common import add_out, cores_and_load, log, markdown_report
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = {  # name -> (environment, config overrides)
@@ -95,7 +94,15 @@ def _start(args, variant: str, cache: Path, log_path: Path) -> dict:
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    cmd = [sys.executable, __file__, "--child", "--config", args.config, *(["--decode"] if args.decode else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.studies.engine_start",
+        "--child",
+        "--config",
+        args.config,
+        *(["--decode"] if args.decode else []),
+    ]
     proc = subprocess.run(
         [*cmd, "--", *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout, check=False
     )

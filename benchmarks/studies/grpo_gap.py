@@ -2,7 +2,7 @@
 
 A check of the calibration in docs/performance.md section 13: do the engine
 steps of a GRPO generation phase with speculation cost what the cost table
-(benchmarks/cost_table.py) says, and does the phase accept as its mean
+(benchmarks/rollout/cost_table.py) says, and does the phase accept as its mean
 acceptance length says? This replays the wide workload's generation calls
 (configs/grpo_spec_wide.yaml: its prompts, 4 x 8 samples a step, its sampling
 settings and engine, the untrained policy) on engines alive side by side,
@@ -21,7 +21,7 @@ step's batch, linear between the table's batch sizes) over their measured time, 
 request gained per step in the tail (at most 2 requests running) and in the bulk. Every record is kept in
 ``--out``::
 
-    python benchmarks/studies/grpo_gap.py --steps 5 --seeds 0,1
+    python -m benchmarks.studies.grpo_gap --steps 5 --seeds 0,1
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import statistics
 import time
 from pathlib import Path
 
-import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path)
 import numpy as np
-from rollout import cores_and_load, log
-from step_records import engine_group, importable
+
+from benchmarks.rollout.rollout import cores_and_load, log
+from benchmarks.step_records import engine_group, importable
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "docs/data/cost_table_wide.json"

@@ -18,7 +18,7 @@ engines' order alternating by round. Sampled lengths differ between the
 engines, so the speed-up is pooled: generated tokens over seconds, summed over
 rounds; the acceptance length is pooled over the same calls::
 
-    python benchmarks/studies/head_cost.py --rounds 3
+    python -m benchmarks.studies.head_cost --rounds 3
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ import statistics
 import time
 from pathlib import Path
 
-import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path)
-from bench_common import header
-from ngram_cost import generation_table
+from benchmarks.bench_common import header
+from benchmarks.studies.ngram_cost import generation_table
 
 REPO = Path(__file__).resolve().parents[2]
 HEAD = "policy.generation.vllm_kwargs.speculative_config.model"

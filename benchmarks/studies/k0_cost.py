@@ -10,7 +10,7 @@ prompts at temperature 1 with ``ignore_eos`` off. It prints the median time
 per call, its ratio to no speculation, and the median of the per-round paired
 ratios::
 
-    python benchmarks/studies/k0_cost.py --batch 128 --rounds 9 --seeds 0,1
+    python -m benchmarks.studies.k0_cost --batch 128 --rounds 9 --seeds 0,1
 
 ``--like-default`` builds the engines from configs/grpo_spec.yaml through ``load_config``, as the default
 run does (precision auto, so bfloat16 on a CPU with native bf16; compiled; prefix caching), and makes the
@@ -20,19 +20,19 @@ step's seeds). Its engines: no speculation; k=0 everywhere through the fast path
 prints where each call's time goes (median ms per call: driver, actor, vLLM's ``LLM.generate``, the
 engine steps and their parts; benchmarks/studies/engine_parts.py)::
 
-    python benchmarks/studies/k0_cost.py --like-default --rounds 7 --seeds 0,1
+    python -m benchmarks.studies.k0_cost --like-default --rounds 7 --seeds 0,1
 
 ``--engines`` picks the --like-default engines by name (";"-separated), among them a second engine without
 speculation (the spread between two processes that run the same code) and the controller::
 
-    python benchmarks/studies/k0_cost.py --like-default --rounds 7 --seeds 0,1 --engines \
+    python -m benchmarks.studies.k0_cost --like-default --rounds 7 --seeds 0,1 --engines \
         "no speculation;no speculation, a second engine;k=0 everywhere, fast path;the controller (adaptive, k <= 4)"
 
 ``--refit`` refits every engine's target before each of its calls (the policy's own weights, streamed in
 buckets as a GRPO step streams them; untimed), so the calls follow a refit as the GRPO run's do. ``--set`` applies
 a config override to every engine, e.g. the KV cache's budget::
 
-    python benchmarks/studies/k0_cost.py --like-default --refit --rounds 4 --seeds 0,1 \
+    python -m benchmarks.studies.k0_cost --like-default --refit --rounds 4 --seeds 0,1 \
         --set policy.generation.vllm_kwargs.kv_cache_memory_bytes=268435456 \
         --engines "no speculation;no speculation, a second engine;fast path, k=3 at 1 request"
 """
@@ -46,10 +46,9 @@ import sys
 import time
 from pathlib import Path
 
-import _benchmarks_path  # benchmarks/ on sys.path; its STUDIES for the actors
-import engine_parts
-from rollout import cores_and_load, log, task_prompts
-from step_records import importable
+from benchmarks.rollout.rollout import cores_and_load, log, task_prompts
+from benchmarks.step_records import importable
+from benchmarks.studies import engine_parts
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "grpo_spec.yaml"
@@ -297,7 +296,7 @@ def main(argv=None) -> int:
     log(f"k=0 cost: {what} at temperature 1, {args.rounds} rounds per seed; {cores} cores, load average {load:.2f}")
     models, tok = build_toy_models(log=log), build_tokenizer()
     specs = {n: LIKE_DEFAULT[n] for n in chosen} if args.like_default else ENGINES
-    importable(_benchmarks_path.STUDIES)  # engine_parts, for the actors
+    importable()  # benchmarks.studies.engine_parts, for the actors
     # engines side by side, one runs at a time
     ray.init(num_cpus=2 * len(specs), include_dashboard=False, log_to_driver=False)
     engines, parts = {}, ({} if args.like_default else None)

@@ -19,8 +19,8 @@ A rule's time is the sum over batch sizes of the mix's tokens times the rule's t
 bucket's where a batch size has no step at that k). So exploration, warm-up and calls' fixed costs are not
 in it: it is the ceiling of a per-bucket rule on these calls, not a GRPO run::
 
-    python benchmarks/studies/k_profile.py --steps 6 --seeds 0,1,2                  # 7 min on 2 cores
-    python benchmarks/studies/k_profile.py --report docs/data/k_profile_wide.json \\
+    python -m benchmarks.studies.k_profile --steps 6 --seeds 0,1,2                  # 7 min on 2 cores
+    python -m benchmarks.studies.k_profile --report docs/data/k_profile_wide.json \\
         --controller-runs "results/wide1[45]/runs/*/wide_adaptive*/metrics.jsonl"   # again, no engine
 """
 
@@ -33,10 +33,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path)
-from rollout import cores_and_load, log
-from step_records import engine_group, importable
-from whatif.report import table
+from benchmarks.rollout.rollout import cores_and_load, log
+from benchmarks.step_records import engine_group, importable
+from benchmarks.whatif.report import table
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/grpo_spec_wide.yaml"
@@ -55,8 +54,7 @@ def buckets(n: int) -> list[tuple[int, int]]:
 
 def replay(args) -> dict:
     """Every call at each k: {"calls": [{seed, step, k, wall_s, tokens, cells}], ...} (:func:`call_cells`)."""
-    from grpo_gap import workload
-
+    from benchmarks.studies.grpo_gap import workload
     from rl_specdec.config import load_config
     from rl_specdec.toy.wide import build_wide_models
 

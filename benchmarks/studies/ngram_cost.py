@@ -1,7 +1,7 @@
 """What one ngram drafter pass costs against one target step, on the real model (configs/smollm2_base.yaml).
 
 The target step: one engine without speculation, built from the config as a run builds it, decoding a batch
-of b task prompts (``benchmarks/cost_table.py``'s ``timed_call``: an ignore_eos call of ``--tokens`` tokens a
+of b task prompts (``benchmarks/rollout/cost_table.py``'s ``timed_call``: an ignore_eos call of ``--tokens`` tokens a
 request, less one of 4 tokens, over its steps). The drafter pass: vLLM's own ``NgramProposer.batch_propose``
 (the numba n-gram match the engine runs on the CPU each step) on the same b requests' token ids, prompt plus
 ``--tokens`` generated tokens, with the speculative settings of configs/smollm2_spec.yaml. Both at batch 1
@@ -13,7 +13,7 @@ round's seed), the engines' order alternating by round; the third engine runs vL
 at most 16 requests run and none above. Sampled lengths differ between the engines, so the
 speed-up is pooled: generated tokens over seconds, summed over rounds::
 
-    python benchmarks/studies/ngram_cost.py --seeds 0,1 --rounds 3
+    python -m benchmarks.studies.ngram_cost --seeds 0,1 --rounds 3
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
-import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path)
 import numpy as np
-from bench_common import header
-from cost_table import timed_call
+
+from benchmarks.bench_common import header
+from benchmarks.rollout.cost_table import timed_call
 
 REPO = Path(__file__).resolve().parents[2]
 # vLLM's own schedule: k=3 while at most 16 requests run, none above (where a step is compute-bound)

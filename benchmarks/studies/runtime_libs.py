@@ -1,7 +1,7 @@
 """Do preloaded runtime libraries (Intel OpenMP, tcmalloc) pay on this CPU? Measured side by side.
 
-    python benchmarks/studies/runtime_libs.py                      # 3 rounds, ~35 min on 2 cores
-    python benchmarks/studies/runtime_libs.py --rounds 1 --quick   # a smoke run
+    python -m benchmarks.studies.runtime_libs                      # 3 rounds, ~35 min on 2 cores
+    python -m benchmarks.studies.runtime_libs --rounds 1 --quick   # a smoke run
 
 vLLM warns at every CPU start that speculative decoding without Intel OpenMP
 (and tcmalloc) in ``LD_PRELOAD`` "will cause significant performance loss".
@@ -35,10 +35,9 @@ import statistics
 import sys
 from pathlib import Path
 
-import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path)
-import rollout
-from bench_runs import run_grpo
-from rollout import cores_and_load, log
+from benchmarks.grpo.bench_runs import run_grpo
+from benchmarks.rollout import rollout
+from benchmarks.rollout.rollout import cores_and_load, log
 
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 

@@ -21,8 +21,8 @@ request, which is far less sensitive to other load than wall-clock figures.
 
 Nothing else should run on the machine meanwhile.
 
-    python benchmarks/studies/server_concurrency.py
-    python benchmarks/studies/server_concurrency.py --repeats 3 --out results/server_ab
+    python -m benchmarks.studies.server_concurrency
+    python -m benchmarks.studies.server_concurrency --repeats 3 --out results/server_ab
 """
 
 from __future__ import annotations

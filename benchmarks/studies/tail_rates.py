@@ -13,7 +13,7 @@ sums per seed), the time spent in steps below 32 running requests, and per bucke
 second over the steps that continue a call (a call's first step admits every prompt), with the step
 count, and the k each engine drafted there. The records go to ``--out``::
 
-    python benchmarks/studies/tail_rates.py --rounds 8 --seeds 0,1
+    python -m benchmarks.studies.tail_rates --rounds 8 --seeds 0,1
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import _benchmarks_path  # noqa: F401  (benchmarks/ on sys.path)
-from rollout import cores_and_load, log
-from step_records import engine_group, importable
+from benchmarks.rollout.rollout import cores_and_load, log
+from benchmarks.step_records import engine_group, importable
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTROL = "policy.generation.speculation_control"
@@ -54,7 +53,7 @@ def start(name: str):
 
 def run(engines: dict, seeds: list[int], rounds: int) -> list[dict]:
     """One row per call: engine, seed, round, wall seconds and the call's step records (round -1: warm-up)."""
-    from k0_cost import default_calls
+    from benchmarks.studies.k0_cost import default_calls
 
     names, rows = list(engines), []
     for sd in seeds:

@@ -19,8 +19,8 @@ peak resident memory above what the process held before it (``VmHWM`` after rese
 including ``qwen3-vocab``: a 2-layer body with Qwen3's 151,936-token vocabulary, 4 sequences of 1,100 tokens
 (76 prompt, 1,024 response)::
 
-    python benchmarks/studies/train_phase.py --workloads toy,wide,smollm2 --seeds 0,1 --steps 4
-    python benchmarks/studies/train_phase.py --memory --workloads smollm2,qwen3-vocab
+    python -m benchmarks.studies.train_phase --workloads toy,wide,smollm2 --seeds 0,1 --steps 4
+    python -m benchmarks.studies.train_phase --memory --workloads smollm2,qwen3-vocab
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ import statistics
 import subprocess
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MICRO = {"toy": 64, "wide": 8, "smollm2": 8, "qwen3-vocab": 4}
 
@@ -80,7 +83,7 @@ def make_batch(workload: str, seed: int, vocab: int) -> dict[str, torch.Tensor]:
     from rl_specdec.grpo.batch import Trajectory, build_train_batch
 
     if workload == "toy":
-        from train_step import default_batch
+        from benchmarks.studies.train_step import default_batch
 
         return default_batch(seed)
     g = torch.Generator().manual_seed(seed)
@@ -205,7 +208,12 @@ def memory(workloads: list[str]) -> None:
         peaks = {}
         for v in ("before", "after"):
             out = subprocess.run(
-                [sys.executable, __file__, "--one-pass", wl, v], check=True, capture_output=True, text=True, env=env
+                [sys.executable, "-m", "benchmarks.studies.train_phase", "--one-pass", wl, v],
+                cwd=ROOT,
+                check=True,
+                capture_output=True,
+                text=True,
+                env=env,
             ).stdout
             peaks[v] = float(out.strip().splitlines()[-1])
         shape = "4 x 1,100" if wl == "qwen3-vocab" else f"{MICRO[wl]} x its longest"

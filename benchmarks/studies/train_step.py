@@ -9,8 +9,8 @@ frozen reference as grpo.log_kl keeps. A fresh batch every step, so the
 shapes vary as in a run. One worker per precision in this process, the
 precisions interleaved step by step, after two warm-up steps::
 
-    python benchmarks/studies/train_step.py                       # fp32 vs bf16-mixed, seeds 0 and 1, 6 steps each
-    python benchmarks/studies/train_step.py --profile bf16-mixed  # and a profile of one step: self time by op, dtype
+    python -m benchmarks.studies.train_step                       # fp32 vs bf16-mixed, seeds 0 and 1, 6 steps each
+    python -m benchmarks.studies.train_step --profile bf16-mixed  # and a profile of one step: self time by op, dtype
 """
 
 from __future__ import annotations

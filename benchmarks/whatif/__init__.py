@@ -5,7 +5,7 @@ A step-cost model t(b, k) per (device, model pair) from each device's roofline
 measure (this CPU: :mod:`.calibrate`), driving a discrete-event simulation of a
 GRPO generation phase (:mod:`.simulate`) under each policy that chooses k
 (:mod:`.policies`), the package's own controller among them (:mod:`.adapter`).
-:mod:`.report` prints the tables and draws the plot; ``benchmarks/gpu_whatif.py``
+:mod:`.report` prints the tables and draws the plot; ``benchmarks/gpu/gpu_whatif.py`` (python -m benchmarks gpu-whatif)
 is the command line.
 
 Everything here is a prediction from stated constants, not a measurement.

@@ -2,7 +2,7 @@
 
 The CPU is one more device in the same cost model (:mod:`.costmodel`), with six
 constants fitted jointly to every measured t(b, k) table given (JSON from
-``benchmarks/cost_table.py``): its achieved bandwidth and FLOP/s, the per-step
+``benchmarks/rollout/cost_table.py``): its achieved bandwidth and FLOP/s, the per-step
 overhead, the extra per speculative step, the per drafter-pass overhead, and
 the host work per request and pass (sampling a token per request costs far
 more here than on a GPU: spike 14's CPU fit charges 0.26 ms per request at
@@ -24,10 +24,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import models as M
-from .costmodel import Pricer, Rows, _fwd, steady_row
-from .hardware import cpu_device
-from .workload import TOY_PAIRS, Pair, alpha_for_length
+from benchmarks.whatif import models as M
+from benchmarks.whatif.costmodel import Pricer, Rows, _fwd, steady_row
+from benchmarks.whatif.hardware import cpu_device
+from benchmarks.whatif.workload import TOY_PAIRS, Pair, alpha_for_length
 
 NAMES = ("bandwidth", "flops", "t_step", "t_spec", "t_pass", "t_req", "t_req_draft")
 UNITS = ("GB/s", "GFLOP/s", "ms", "ms", "ms", "us", "us")

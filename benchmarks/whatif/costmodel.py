@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .hardware import Device
-from .models import ModelConfig
-from .workload import Pair, Workload
+from benchmarks.whatif.hardware import Device
+from benchmarks.whatif.models import ModelConfig
+from benchmarks.whatif.workload import Pair, Workload
 
 ACTIVATIONS = 2e9  # bytes per device kept for activations and CUDA graphs (assumption)
 MEM_FRACTION = 0.9  # gpu_memory_utilization (vLLM's default is 0.9)

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import costmodel as C
-from . import policies as P
-from .hardware import Device
-from .simulate import simulate_feedback, simulate_static
-from .workload import Pair, Workload
+from benchmarks.whatif import costmodel as C
+from benchmarks.whatif import policies as P
+from benchmarks.whatif.hardware import Device
+from benchmarks.whatif.simulate import simulate_feedback, simulate_static
+from benchmarks.whatif.workload import Pair, Workload
 
 
 @dataclass

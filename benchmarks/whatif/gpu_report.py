@@ -1,4 +1,4 @@
-"""The tables of a GPU measurement (``benchmarks/gpu_torch.py``) beside what the cost model predicts.
+"""The tables of a GPU measurement (``benchmarks/gpu/gpu_torch.py``) beside what the cost model predicts.
 
 Three checks of section 13's constants, from measured passes rather than assumptions:
 
@@ -17,10 +17,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import costmodel as C
-from . import hardware as H
-from . import models as M
-from . import workload as W
+from benchmarks.whatif import costmodel as C
+from benchmarks.whatif import hardware as H
+from benchmarks.whatif import models as M
+from benchmarks.whatif import workload as W
 
 HOST_FREE = dict(t_step=0.0, t_spec=0.0, t_pass=0.0, t_req=0.0, t_req_draft=0.0)
 TRAIN_FLOPS = {"train_s": 8.0, "logprobs_s": 2.0}  # per parameter and token: policy fwd+bwd + reference fwd; a fwd
@@ -76,7 +76,7 @@ def measured_device(data: dict) -> H.Device:
     measured passes; its host constants and MFU stay the assumed ones."""
     dev = device_of(data["machine"])
     fitted = fit(dev, data, [r for r in data["decode"] if not r.get("eager")])
-    src = f"fitted to the decode passes measured on an {data['machine']['name']} (benchmarks/gpu_torch.py)"
+    src = f"fitted to the decode passes measured on an {data['machine']['name']} (benchmarks/gpu/gpu_torch.py)"
     sources = {**dev.sources, "eta_bw, eta_flops, t_layer": src}
     return replace(fitted, name=f"{dev.name} (kernels measured)", sources=sources)
 

@@ -6,12 +6,18 @@ import json
 
 import numpy as np
 
-from . import policies as P
-from .calibrate import CALL_OVERHEAD_PER_REQUEST_S, CALL_OVERHEAD_S, TOLERANCE, device_of, with_acceptance
-from .costmodel import Pricer
-from .report import table
-from .simulate import simulate_feedback, simulate_static
-from .workload import Pair, Workload, lengths_from_row
+from benchmarks.whatif import policies as P
+from benchmarks.whatif.calibrate import (
+    CALL_OVERHEAD_PER_REQUEST_S,
+    CALL_OVERHEAD_S,
+    TOLERANCE,
+    device_of,
+    with_acceptance,
+)
+from benchmarks.whatif.costmodel import Pricer
+from benchmarks.whatif.report import table
+from benchmarks.whatif.simulate import simulate_feedback, simulate_static
+from benchmarks.whatif.workload import Pair, Workload, lengths_from_row
 
 
 def parse_policy(spec: str):

@@ -2,7 +2,7 @@
 docs/data, every cell's residual, and the generation phases of real GRPO runs of the same pair predicted
 with those constants.
 
-The runs are ``python benchmarks/bench.py --sections grpo --steps 5 --seeds 0,1 --variants "wide base;wide
+The runs are ``python -m benchmarks.grpo.bench --sections grpo --steps 5 --seeds 0,1 --variants "wide base;wide
 k=4;wide schedule;wide threshold;wide adaptive"`` (docs/performance.md, section 11): their metrics.jsonl
 are copied to docs/data/grpo_wide/. The toy pair's table (docs/data/cost_table_toy.json) is not in this
 fit: fitted with the wide pair's, one set of constants misses 21 of 112 cells (docs/performance.md section 13).
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import calibrate as CAL
-from .grpo import grpo_errors
-from .report import table
-from .workload import read_metrics
+from benchmarks.whatif import calibrate as CAL
+from benchmarks.whatif.grpo import grpo_errors
+from benchmarks.whatif.report import table
+from benchmarks.whatif.workload import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = ("docs/data/cost_table_wide.json",)

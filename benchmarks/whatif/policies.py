@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .adapter import controller_api
-from .costmodel import _fwd
-from .workload import KAPPA
+from benchmarks.whatif.adapter import controller_api
+from benchmarks.whatif.costmodel import _fwd
+from benchmarks.whatif.workload import KAPPA
 
 STATIC_SCHEDULE = [[1, 16, 5], [17, 64, 3], [65, 1024, 2]]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import costmodel as C
-from .experiments import speedups
-from .hardware import Device
-from .workload import Pair
+from benchmarks.whatif import costmodel as C
+from benchmarks.whatif.experiments import speedups
+from benchmarks.whatif.hardware import Device
+from benchmarks.whatif.workload import Pair
 
 ANCHORS = [
     # (what, their figure, source, device, pair, our policies to show)

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .costmodel import Pricer, Rows
-from .workload import Pair, Workload
+from benchmarks.whatif.costmodel import Pricer, Rows
+from benchmarks.whatif.workload import Pair, Workload
 
 J = 8  # drafter pass columns in Rows (k <= 8)
 

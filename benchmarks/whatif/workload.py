@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import models as M
+from benchmarks.whatif import models as M
 
 KAPPA = 2.0  # Beta concentration of the per-slot acceptance (assumption: an informative confidence)
 

@@ -25,7 +25,7 @@ The speed-up that k buys at batch b is E[L(k)] · t(b, none) / t(b, k): the
 table prints it for every cell and the best k per batch. Torch.compile is on,
 as in the GRPO configs. Writes ``cost_table_<pair>.json`` and ``.md`` to ``--out`` (results/cost-table)::
 
-    python -m benchmarks cost-table --pair wide --seeds 0,1     # or python benchmarks/cost_table.py ...
+    python -m benchmarks cost-table --pair wide --seeds 0,1
     python -m benchmarks cost-table --pair toy --seeds 0,1
     python -m benchmarks cost-table --pair wide --seeds 0,1 --drafter eagle3   # cost_table_wide_eagle3.*
 
@@ -42,9 +42,9 @@ import sys
 import time
 from pathlib import Path
 
-import bench_common
-from bench_common import cores_and_load, log
-from step_records import engine_group, importable
+from benchmarks import bench_common
+from benchmarks.bench_common import cores_and_load, log
+from benchmarks.step_records import engine_group, importable
 
 K_MAX = 5
 PAIRS = {  # pair -> (max_model_len, KV bytes per engine, acceptance max_tokens)

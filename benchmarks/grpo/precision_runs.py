@@ -5,9 +5,9 @@ and fp32 on one without); the engines follow the precision (bfloat16 under bf16-
 master weights and AdamW state stay fp32 while both the train step and the rollouts compute in bf16.
 ``bench.py`` runs them seed-major (each seed runs every variant before the next seed starts)::
 
-    python benchmarks/bench.py --sections grpo --steps 80 --seeds 0,1 \\
+    python -m benchmarks.grpo.bench --sections grpo --steps 80 --seeds 0,1 \\
         --variants "grpo_spec fp32;grpo_spec bf16-mixed"
-    python benchmarks/bench.py --sections grpo --steps 10 --seeds 0,1 --out results/precision_base \\
+    python -m benchmarks.grpo.bench --sections grpo --steps 10 --seeds 0,1 --out results/precision_base \\
         --variants "grpo_base fp32;grpo_base bf16-mixed"
 
 The table (:func:`precision_table`) gives, per variant, the phases and the step, the log-prob
@@ -22,7 +22,7 @@ import json
 import statistics
 from pathlib import Path
 
-from rollout_report import fmt
+from benchmarks.rollout.rollout_report import fmt
 
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     f"{run} {precision}": (f"configs/{run}.yaml", [f"policy.precision={precision}"])

@@ -5,12 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import drafter_life  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
-import overlap_runs
-import precision_runs
-import real_model_runs
+from benchmarks.grpo import drafter_life, overlap_runs, precision_runs, real_model_runs
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 SPEC = "policy.generation.vllm_kwargs.speculative_config"
 CONTROL = "policy.generation.speculation_control"
@@ -152,11 +149,11 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     # the drafter distilled towards the policy after every step and refit: what training it beside the policy costs
     "grpo_spec drafter online": ("configs/grpo_spec.yaml", [drafter_life.ONLINE]),
     "grpo_spec drafter light": ("configs/grpo_spec.yaml", drafter_life.LIGHT),
-    # fp32 against bf16-mixed (bf16 compute over fp32 master weights, bf16 engines): benchmarks/precision_runs.py
+    # fp32 against bf16-mixed (bf16 compute over fp32 master weights, bf16 engines): benchmarks/grpo/precision_runs.py
     **precision_runs.VARIANTS,
-    # grpo.max_staleness 0 against 1 (rollouts overlapping training), both tasks: benchmarks/overlap_runs.py
+    # grpo.max_staleness 0 against 1 (rollouts overlapping training), both tasks: benchmarks/grpo/overlap_runs.py
     **overlap_runs.VARIANTS,
-    # the real model, SmolLM2-135M-Instruct, without speculation and with ngram: benchmarks/real_model_runs.py
+    # the real model, SmolLM2-135M-Instruct, without speculation and with ngram: benchmarks/grpo/real_model_runs.py
     **real_model_runs.VARIANTS,
 }
 QUICK_VARIANTS = ["grpo_base", "grpo_spec"]  # --quick: the shipped default against its baseline

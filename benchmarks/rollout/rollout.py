@@ -18,7 +18,7 @@ calls, each on a different batch of prompts (the same batches for every
 method). Nothing else should run on the machine meanwhile: on a 2-core
 machine a concurrent job changes every number (the script prints the load average).
 
-    python -m benchmarks rollout                 # full grid (~15 min on 2 cores); or python benchmarks/rollout.py
+    python -m benchmarks rollout                 # full grid (~15 min on 2 cores)
     python -m benchmarks rollout --quick         # k=3, batch sizes 8 and 64, T=1, 1 repeat
     python -m benchmarks rollout --engines       # and 1 engine on all cores against one per core
 """
@@ -33,9 +33,17 @@ import sys
 import time
 from pathlib import Path
 
-import bench_common
-from bench_common import cores_and_load, log  # noqa: F401  (the studies take both from here)
-from rollout_report import METHODS, engines_table, engines_verdict, fmt, method_table, plot_methods, speedup_table
+from benchmarks import bench_common
+from benchmarks.bench_common import cores_and_load, log  # noqa: F401  (the studies take both from here)
+from benchmarks.rollout.rollout_report import (
+    METHODS,
+    engines_table,
+    engines_verdict,
+    fmt,
+    method_table,
+    plot_methods,
+    speedup_table,
+)
 
 # vLLM's dynamic speculation (num_speculative_tokens_per_batch_size): inclusive
 # running-batch-size ranges -> k. Speculate deeper when few sequences are left

@@ -36,10 +36,8 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_common  # noqa: E402
-from whatif import models as M  # noqa: E402
+from benchmarks import bench_common
+from benchmarks.whatif import models as M
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 KS = (0, 1, 2, 3, 4, 5)
@@ -378,7 +376,7 @@ def main(argv=None) -> None:
 
 def report(data: dict, out: str) -> None:
     """The tables of a measurement against the model, printed and in ``<out>/gpu_torch.md``."""
-    from whatif.gpu_report import print_report
+    from benchmarks.whatif.gpu_report import print_report
 
     title = "The torch side on one GPU, measured, against the cost model"
     m = data["machine"]  # the machine that measured, not this one (--report reads any measurement)

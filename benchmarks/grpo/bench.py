@@ -3,8 +3,8 @@
     python -m benchmarks grpo --quick             # the shipped default (grpo_spec) against grpo_base, 4 steps
     python -m benchmarks grpo --seeds 0,1         # every GRPO variant (hours on 2 cores)
     python -m benchmarks staleness                # one section per command: grpo, staleness, peer
-    python benchmarks/bench.py --quick            # under 5 min on 2 cores: the rollout and GRPO sections, small
-    python benchmarks/bench.py --seeds 0,1        # every section and variant in one report
+    python -m benchmarks.grpo.bench --quick      # under 5 min on 2 cores: the rollout and GRPO sections, small
+    python -m benchmarks.grpo.bench --seeds 0,1  # every section and variant in one report
 
 Sections (each prints markdown tables; all write ``<out>/report.md``, JSON and PNGs):
 
@@ -13,7 +13,7 @@ rollout
     (with ``arctic-inference``) suffix at k in {1, 2, 3, 5}, draft_model with a
     batch-size schedule, batch sizes {1, 8, 64, 256}, temperatures 0 and 1;
     tokens/s, acceptance, speed-up over no speculation in the same run
-    (``benchmarks/rollout.py``).
+    (``benchmarks/rollout/rollout.py``).
 grpo
     The default GRPO run (``examples/run_grpo.py``) under each variant: grpo_base
     (no speculation), grpo_spec (its speculative_config) and the variants in
@@ -26,10 +26,10 @@ grpo
 staleness
     Long grpo_spec runs on the first seed: the drafter frozen against trained
     online (acceptance length per 20-step bucket while the policy drifts), and
-    online training from an untrained drafter (``benchmarks/drafter_life.py``).
+    online training from an untrained drafter (``benchmarks/grpo/drafter_life.py``).
 peer
     TRL's GRPOTrainer on the same task, model, batch and step count
-    (``benchmarks/peer_trl.py``), against rl_specdec's step time and rollout tokens/s.
+    (``benchmarks/grpo/peer_trl.py``), against rl_specdec's step time and rollout tokens/s.
 
 Every GRPO figure comes from a fresh subprocess per run, with wandb and
 checkpoints off (identical for every variant) and its metrics read back from
@@ -37,7 +37,7 @@ checkpoints off (identical for every variant) and its metrics read back from
 first pays for compilation and cache warm-up). Nothing else should run on the
 machine meanwhile; the report prints the load average. With ``--lockstep`` a
 seed's variants run together and take turns step by step
-(``benchmarks/lockstep.py``), so a machine that slows down over minutes slows
+(``benchmarks/grpo/lockstep.py``), so a machine that slows down over minutes slows
 every variant alike.
 """
 
@@ -50,19 +50,12 @@ import sys
 import time
 from pathlib import Path
 
-import bench_common
-import bench_report as rep
-import drafter_life  # siblings: the script's folder is on sys.path when it runs as benchmarks/bench.py
-import length_pool
-import overlap_runs
-import peer_trl
-import precision_runs
-import real_model_runs
-import rollout
-import rollout_report
-from bench_args import QUICK_STEPS, SECTIONS, Bench, parse
-from bench_common import log
-from bench_runs import (
+from benchmarks import bench_common
+from benchmarks.bench_common import log
+from benchmarks.grpo import bench_report as rep
+from benchmarks.grpo import drafter_life, length_pool, overlap_runs, peer_trl, precision_runs, real_model_runs
+from benchmarks.grpo.bench_args import QUICK_STEPS, SECTIONS, Bench, parse
+from benchmarks.grpo.bench_runs import (
     build_models,
     combine_seeds,
     load_rows,
@@ -72,7 +65,16 @@ from bench_runs import (
     run_grpo_lockstep,
     step_stats,
 )
-from bench_variants import GRPO_VARIANTS, OVERLAP_VARIANTS, PRECISION_VARIANTS, REPO, baseline_of, family, spec_label
+from benchmarks.grpo.bench_variants import (
+    GRPO_VARIANTS,
+    OVERLAP_VARIANTS,
+    PRECISION_VARIANTS,
+    REPO,
+    baseline_of,
+    family,
+    spec_label,
+)
+from benchmarks.rollout import rollout, rollout_report
 
 
 def section_rollout(b: Bench) -> None:
@@ -219,7 +221,8 @@ def section_peer(b: Bench) -> None:
     log(f"[peer] TRL GRPOTrainer, {peer_steps} steps")
     cmd = [
         sys.executable,
-        str(REPO / "benchmarks/peer_trl.py"),
+        "-m",
+        "benchmarks.grpo.peer_trl",
         "--config",
         str(REPO / "configs/grpo_base.yaml"),
         "--steps",

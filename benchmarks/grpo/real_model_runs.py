@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from precision_runs import run_stats
-from rollout_report import fmt
+from benchmarks.grpo.precision_runs import run_stats
+from benchmarks.rollout.rollout_report import fmt
 
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "smollm2 base": ("configs/smollm2_base.yaml", []),

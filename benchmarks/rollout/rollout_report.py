@@ -1,4 +1,4 @@
-"""The tables and the plot of ``benchmarks/rollout.py``: tokens per second per method, k, temperature and
+"""The tables and the plot of ``benchmarks/rollout/rollout.py``: tokens per second per method, k, temperature and
 batch size, as speed-ups over no speculation measured in the same run, and one engine against one per core."""
 
 from __future__ import annotations

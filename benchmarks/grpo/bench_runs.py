@@ -11,9 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-import length_pool
-import lockstep
-from bench_variants import (
+from benchmarks.grpo import length_pool, lockstep
+from benchmarks.grpo.bench_variants import (
     COMMON,
     DRAFTER_VARIANTS,
     GRPO_VARIANTS,
@@ -25,7 +24,7 @@ from bench_variants import (
     TRAINER_VARIANTS,
     family,
 )
-from rollout import log
+from benchmarks.rollout.rollout import log
 
 
 # ---- running ------------------------------------------------------------------------
@@ -92,7 +91,7 @@ def run_grpo(
 def run_grpo_lockstep(
     names: list[str], steps: int, out: Path, quick: bool, seed: int, resume: bool = False
 ) -> dict[str, list[dict] | str]:
-    """A seed's variants as one ring (``benchmarks/lockstep.py``): they take turns step by step. Returns each
+    """A seed's variants as one ring (``benchmarks/grpo/lockstep.py``): they take turns step by step. Returns each
     variant's rows, or the error of one that failed. With ``resume`` a seed whose runs all finished with the
     same settings is read back (one missing run reruns the whole ring: its turns are what is measured)."""
     jobs = {n: grpo_command(n, *GRPO_VARIANTS[n], steps, out, quick, seed) for n in names}

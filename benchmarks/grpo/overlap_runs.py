@@ -8,8 +8,8 @@ shipped) and with the cores split between them (``off-policy 1+1``); the long-ta
 The default task's sequential runs are ``grpo_base`` and ``grpo_spec`` themselves (nothing to add to them).
 ``bench.py`` runs them seed-major, so every seed runs every variant before the next seed starts::
 
-    python benchmarks/bench.py --sections grpo --steps 80 --seeds 0,1 --out results/overlap --variants \\
-        "$(cd benchmarks && python overlap_runs.py)"   # the 10 runs below, ";"-separated
+    python -m benchmarks.grpo.bench --sections grpo --steps 80 --seeds 0,1 --out results/overlap --variants \\
+        "$(python -m benchmarks.grpo.overlap_runs)"   # the 10 runs below, ";"-separated
 
 The table (:func:`overlap_table`) gives, per run, the step and its phases, how long the step waited for
 rollouts, ``timing/overlap`` (the share of the step when a generation and the update both ran), the
@@ -24,8 +24,8 @@ import math
 import statistics
 from pathlib import Path
 
-import precision_runs
-from rollout_report import fmt
+from benchmarks.grpo import precision_runs
+from benchmarks.rollout.rollout_report import fmt
 
 OFF = ["grpo.max_staleness=1"]
 _LONGTAIL_STEPS = ["grpo.max_steps=30"]  # the long-tail config's own length, whatever --steps says

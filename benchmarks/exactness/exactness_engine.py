@@ -13,8 +13,8 @@
 
 A recorded step is ``{"k_next", "k_verify", "plain", "reqs": {req_id: [start, scheduled, drafts verified,
 tokens emitted, drafter tokens caught up]}}``; ``start`` is the request's computed tokens before the step.
-Engines load the extension by name: the benchmarks folder must be on PYTHONPATH before Ray starts
-(``step_records.importable``).
+Engines load the extension by name (``benchmarks.exactness.exactness_engine.ExactnessExtension``): the repository's
+root must be on PYTHONPATH before Ray starts (``benchmarks.step_records.importable``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from rollout_report import fmt
+from benchmarks.rollout.rollout_report import fmt
 
 SPEC = "policy.generation.vllm_kwargs.speculative_config"
 ONLINE = "policy.generation.drafter_training.enabled=true"

@@ -8,7 +8,7 @@ each step's longest rollout (ms per longest-rollout token, the cost speculation 
 times the mean longest length of every variant of the workload (the length all of them draw in expectation).
 The last column also puts back the train phase pooled over the workload (``step_pooled_s``, bench.py)::
 
-    python benchmarks/bench.py --sections grpo --steps 6 --seeds 0,1 --set grpo.num_prompts_per_step=2 \\
+    python -m benchmarks.grpo.bench --sections grpo --steps 6 --seeds 0,1 --set grpo.num_prompts_per_step=2 \\
         --variants "wide base;wide k=4;wide schedule corrected;wide adaptive"
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 
-from rollout_report import fmt
+from benchmarks.rollout.rollout_report import fmt
 
 
 def per_run(rows: list[dict]) -> dict:

@@ -16,9 +16,9 @@ Time per step comes from a trainer callback (``on_step_begin`` to
 ``on_step_end``); rollout time from a timer around TRL's generation method, and
 rollout tokens from its ``completions/mean_length`` log.
 
-    python benchmarks/peer_trl.py --steps 5               # standalone, the default precision
-    python benchmarks/peer_trl.py --steps 5 policy.precision=fp32
-    (benchmarks/bench.py calls ``run_trl`` for its peer table)
+    python -m benchmarks.grpo.peer_trl --steps 5               # standalone, the default precision
+    python -m benchmarks.grpo.peer_trl --steps 5 policy.precision=fp32
+    (benchmarks/grpo/bench.py calls ``run_trl`` for its peer table)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-import bench_common
+from benchmarks import bench_common
 
 
 def run_trl(config_path: str, steps: int, out_dir: Path, log=print, overrides: list[str] | None = None) -> dict:

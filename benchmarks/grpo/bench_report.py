@@ -5,8 +5,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from bench_runs import mean_or_none
-from bench_variants import (
+from benchmarks.grpo.bench_runs import mean_or_none
+from benchmarks.grpo.bench_variants import (
     OVERLAP_VARIANTS,
     PHASES,
     PRECISION_VARIANTS,
@@ -14,7 +14,7 @@ from bench_variants import (
     baseline_of,
     family,
 )
-from rollout_report import fmt
+from benchmarks.rollout.rollout_report import fmt
 
 
 # ---- tables -----------------------------------------------------------------------

@@ -17,7 +17,7 @@ Only the holder computes; the others wait in a poll of 10 ms, their engines idle
 inside each run as always (``timing/*``), so the waits are in no figure. Not for
 ``grpo.max_staleness=1``, whose generation runs beside the train step, outside the baton.
 
-    python benchmarks/lockstep.py --baton DIR --index I --of N examples/run_grpo.py --config ... [k=v ...]
+    python -m benchmarks.grpo.lockstep --baton DIR --index I --of N examples/run_grpo.py --config ... [k=v ...]
 
 runs one member of the ring (``bench.py`` starts them; :func:`run_together`).
 """

@@ -1,4 +1,4 @@
-"""The exactness check's host side, shared by benchmarks/exactness.py and tests/test_exactness.py.
+"""The exactness check's host side, shared by benchmarks/exactness/exactness.py and tests/test_exactness.py.
 
 * :func:`recompute` scores sampled tokens as the GRPO trainer scores them: the rollouts right-padded into the
   train batch (``grpo.batch.build_train_batch``), cut into length-sorted micro-batches of

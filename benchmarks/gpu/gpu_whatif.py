@@ -23,16 +23,14 @@ from dataclasses import replace
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_common  # noqa: E402
-from whatif import calibrate as CAL  # noqa: E402
-from whatif import hardware as H  # noqa: E402
-from whatif import measured  # noqa: E402
-from whatif import report as R  # noqa: E402
-from whatif import workload as W  # noqa: E402
-from whatif.adapter import controller_api  # noqa: E402
-from whatif.experiments import Setup, batch_sensitivity, run_all, speedups  # noqa: E402
+from benchmarks import bench_common
+from benchmarks.whatif import calibrate as CAL
+from benchmarks.whatif import hardware as H
+from benchmarks.whatif import measured
+from benchmarks.whatif import report as R
+from benchmarks.whatif import workload as W
+from benchmarks.whatif.adapter import controller_api
+from benchmarks.whatif.experiments import Setup, batch_sensitivity, run_all, speedups
 
 
 def parse_args(argv=None):
@@ -45,7 +43,7 @@ def parse_args(argv=None):
     g.add_argument(
         "--gpu-measured",
         metavar="JSON",
-        help="a benchmarks/gpu_torch.py measurement: add its GPU with the kernel constants fitted to it",
+        help="a benchmarks/gpu/gpu_torch.py measurement: add its GPU with the kernel constants fitted to it",
     )
     g.add_argument("--batch", type=int, default=128, help="sequences per engine in one GRPO step")
     g.add_argument("--prompt-len", type=int, default=256)
@@ -61,7 +59,9 @@ def parse_args(argv=None):
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--no-calibration", action="store_true", help="skip the calibration on docs/data's measured tables")
     c = p.add_argument_group("calibration on this CPU")
-    c.add_argument("--calibrate", nargs="+", metavar="JSON", help="measured t(b,k) tables (benchmarks/cost_table.py)")
+    c.add_argument(
+        "--calibrate", nargs="+", metavar="JSON", help="measured t(b,k) tables (benchmarks/rollout/cost_table.py)"
+    )
     c.add_argument("--model-config", help="config.json of a table's policy whose shapes are not known (the wide pair)")
     c.add_argument("--drafter-config", help="config.json of its drafter")
     c.add_argument("--cpu-constants", help="fitted constants (JSON written by --calibrate) instead of fitting")
@@ -118,7 +118,7 @@ def gpu_report(args) -> None:
     t0 = time.perf_counter()
     devices = [H.by_name(n) for n in args.devices.split(",")]
     if args.gpu_measured:
-        from whatif.gpu_report import measured_device
+        from benchmarks.whatif.gpu_report import measured_device
 
         devices.append(measured_device(json.load(open(args.gpu_measured))))
     pairs = pairs_of(args)
@@ -194,7 +194,7 @@ def cpu_report(args) -> None:
     if args.grpo_metrics:
         if theta is None:
             sys.exit("--grpo-metrics needs the CPU constants: --calibrate TABLES or --cpu-constants JSON")
-        from whatif.grpo import predict_grpo
+        from benchmarks.whatif.grpo import predict_grpo
 
         rows = W.read_metrics(args.grpo_metrics)
         spec = any(r.get("spec_decode/acceptance_length") for r in rows)

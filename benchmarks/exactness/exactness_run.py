@@ -15,8 +15,9 @@ import os
 import time
 from pathlib import Path
 
-import exactness_check as ec
 import numpy as np
+
+from benchmarks.exactness import exactness_check as ec
 
 # the settings a resumed run takes from its file (what it checks must not change half-way)
 KEPT = ("pair", "drafter", "seed", "modes", "set", "perturb_target")

@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-import bench_common
+from benchmarks import bench_common
 
 MIB = 2**20
 QWEN3_0P6B = dict(  # Qwen/Qwen3-0.6B's config.json, shape only

@@ -23,8 +23,8 @@ transformers (fp32) the way the GRPO trainer scores them (right-padded, length-s
 It prints a markdown table (tokens, max, p99.99, p99 and median of |engine - trainer| per mode, and the bound
 derived from the control) and the worst tokens with their context, and writes JSON::
 
-    python benchmarks/exactness.py --pair toy --tokens 200000
-    python benchmarks/exactness.py --pair wide --tokens 1000000 --modes none,warmup
+    python -m benchmarks.exactness.exactness --pair toy --tokens 200000
+    python -m benchmarks.exactness.exactness --pair wide --tokens 1000000 --modes none,warmup
 
 ``--perturb-target 1e-4`` refits the speculating engines' target with weights off by that relative noise:
 the negative control, which the check must flag.
@@ -39,12 +39,12 @@ import sys
 import time
 from pathlib import Path
 
-import exactness_check as ec
-import exactness_engine
-from exactness_run import Run
-from step_records import importable
+from benchmarks.exactness import exactness_check as ec
+from benchmarks.exactness import exactness_engine
+from benchmarks.exactness.exactness_run import Run
+from benchmarks.step_records import importable
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {"toy": REPO / "configs" / "grpo_spec.yaml", "wide": REPO / "configs" / "grpo_spec_wide.yaml"}
 GEN = "policy.generation"
 SPEC, CONTROL = f"{GEN}.vllm_kwargs.speculative_config", f"{GEN}.speculation_control"

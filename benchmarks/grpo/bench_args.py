@@ -6,9 +6,8 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import bench_common
-import rollout
-from bench_variants import (
+from benchmarks import bench_common
+from benchmarks.grpo.bench_variants import (
     COMMON,
     GRPO_VARIANTS,
     OVERLAP_VARIANTS,
@@ -16,6 +15,7 @@ from bench_variants import (
     REPO,
     lockstep_memory_problem,
 )
+from benchmarks.rollout import rollout
 
 SECTIONS = ("rollout", "grpo", "staleness", "peer")
 QUICK_SECTIONS = ("rollout", "grpo")  # --quick: staleness and peer only when asked for (--sections)
@@ -94,7 +94,7 @@ def parser(description: str, section: str | None = None) -> argparse.ArgumentPar
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run a seed's GRPO variants together, taking turns step by step, so that the machine's drift "
-        "falls on each alike (benchmarks/lockstep.py; not for max_staleness=1 variants; default: on with --quick)",
+        "falls on each alike (benchmarks/grpo/lockstep.py; not for max_staleness=1 variants; default: on with --quick)",
     )
     p.add_argument(
         "--seeds",

@@ -1,0 +1,1 @@
+"""python -m benchmarks grpo, staleness and peer: a GRPO step with and without speculation, variants side by side."""

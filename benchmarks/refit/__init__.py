@@ -1,0 +1,1 @@
+"""python -m benchmarks refit: the cost of handing the weights to the engines, whole or bucketed."""

@@ -1,0 +1,1 @@
+"""The one-off studies behind docs' experiments, each run as python -m benchmarks.studies.<name>."""
