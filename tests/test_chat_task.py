@@ -8,8 +8,8 @@ import pytest
 from rl_specdec.config import ConfigError, load_config
 from rl_specdec.tasks import ArithmeticChatTask, Sample, SortingTask, encode_prompts
 from rl_specdec.tasks.arithmetic import MULTIPLES, final_answer
-from rl_specdec.toy.tools import build_tool_tokenizer
 from rl_specdec.toy.resolve import prepare_models
+from rl_specdec.toy.tools import build_tool_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "configs" / "grpo_spec.yaml"

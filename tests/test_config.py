@@ -58,7 +58,7 @@ def test_validation_reads_no_model_file_and_preparation_does(tmp_path, monkeypat
     with pytest.raises(ConfigError, match=r"policy.model_name='/on/the/cluster/qwen3' is not a directory"):
         prepare_models(load_config(SPEC, elsewhere))
     with pytest.raises(ConfigError, match=r"speculative_config.model='/nope' is not a directory"):
-        prepare_models(load_config(SPEC, [f"{SPEC_KEY}.model=/nope"]))
+        prepare_models(load_config(SPEC, [f"policy.model_name={tmp_path}", f"{SPEC_KEY}.model=/nope"]))
 
 
 # What each GPU config states in its header comment it needs.

@@ -155,3 +155,20 @@ def test_help_lists_every_shipped_config_with_one_line():
         line = next(x for x in r.stdout.splitlines() if x.strip().startswith(path.name))
         assert len(line.split(path.name, 1)[1].strip()) > 10
     assert "--resolved" in r.stdout and "wandb sync" in r.stdout and "docs/grpo.md" in r.stdout
+
+
+def test_print_config_resolved_prints_what_each_engine_receives():
+    """--print-config --resolved: the model folders and engine_args() (run-time k's settings included), the YAML on
+    stdout parseable as a whole."""
+    from omegaconf import OmegaConf
+
+    r = _run_grpo("--config", str(SPEC), "--print-config", "--resolved")
+    assert r.returncode == 0, r.stderr
+    engine = OmegaConf.create(r.stdout.split("# what each engine receives")[1].split("\n", 1)[1]).engine_args
+    assert Path(engine.model, "config.json").is_file() and Path(engine.speculative_config.model).is_dir()
+    assert engine.scheduler_cls.endswith("SettableKScheduler") and engine.per_request_spec_decode_metrics == "summary"
+    # run-time k off: no scheduler of rl_specdec's (in process: the printed dict is engine_args()'s)
+    from rl_specdec.config import engine_args
+
+    gen = load_config(SPEC, ["policy.generation.speculation_control.mode=off"]).policy.generation
+    assert "scheduler_cls" not in engine_args(gen, engine.model, 0, "ext")

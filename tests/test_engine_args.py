@@ -13,6 +13,7 @@ import pytest
 
 from rl_specdec.config import Speculation, checks, engine_args, load_config, precision
 from rl_specdec.config.generation import GenerationConfig, SpeculationControlConfig
+from rl_specdec.toy.resolve import prepare_models
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = json.loads((ROOT / "tests/fixtures/engine_args.json").read_text())
@@ -89,3 +90,62 @@ def test_a_generation_config_reads_speculation_as_the_object():
     assert gen.speculation.is_head and gen.speculation.k == 2
     off = gen.without_speculation()
     assert off.speculation is None and gen.speculation is not None  # a copy; the original keeps its drafter
+
+
+# ---- readers use the object -------------------------------------------------------------------------------
+
+SPEC_KEYS = {"speculative_config", "num_speculative_tokens", "num_speculative_tokens_per_batch_size"}
+
+
+def string_key_reads(source: str) -> list[int]:
+    """Lines that read a speculative-config key by string: ``x["speculative_config"]`` or
+    ``x.get("speculative_config")`` (and the k keys), a write (``x[...] = ...``) excepted."""
+    import ast
+
+    tree, lines = ast.parse(source), []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            key = node.slice
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            key = node.args[0] if node.args else None
+        if isinstance(key, ast.Constant) and key.value in SPEC_KEYS:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_outside_the_config_room_reads_the_speculative_config_by_key():
+    found = []
+    for folder in ("rl_specdec", "examples"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.parent.name == "config" and path.parent.parent.name == "rl_specdec":
+                continue
+            found += [f"{path.relative_to(ROOT)}:{n}" for n in string_key_reads(path.read_text())]
+    assert found == [], f"read GenerationConfig.speculation instead: {found}"
+
+
+def test_the_key_reader_check_finds_a_read():
+    """Negative control: both spellings are found, and a write is not."""
+    src = 'a = kw["speculative_config"]\nb = kw.get("speculative_config")\nkw["speculative_config"] = None\n'
+    assert string_key_reads(src) == [1, 2]
+
+
+def test_loading_every_shipped_config_builds_and_fetches_nothing(tmp_path, monkeypatch):
+    """An empty model cache and no network: every shipped config loads, and the cache stays empty. Negative
+    control: preparing the models is seen building into it."""
+    monkeypatch.setenv("RL_SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        load_config(path)
+    assert not (tmp_path / "cache").exists()
+
+    from rl_specdec.toy import build
+
+    def fake_build(cfg=None, root=None, log=print):  # stands for the 90-s build: it writes into the cache
+        (tmp_path / "cache" / "digits").mkdir(parents=True)
+        return build.ToyModels(tmp_path / "cache" / "digits")
+
+    monkeypatch.setattr(build, "build_toy_models", fake_build)
+    with pytest.warns(UserWarning, match="vocabularies were not compared"):  # the fake folders hold no model
+        prepare_models(load_config(ROOT / "configs/grpo_spec.yaml"))
+    assert (tmp_path / "cache").exists()

@@ -203,3 +203,23 @@ def test_the_loop_check_catches_a_loop_made_inside_a_function():
     assert loops(import_graph(sources)) == [["p.a", "p.b", "p.c"]]
     sources["p.c"] = ("import os\n", False)
     assert loops(import_graph(sources)) == []
+
+
+def room_edges(graph: dict[str, set[str]], source: str, target: str) -> list[str]:
+    """``a -> b`` for every import from the room ``source`` (a package prefix) into the room ``target``."""
+    return sorted(f"{a} -> {b}" for a, bs in graph.items() if a.startswith(source) for b in bs if b.startswith(target))
+
+
+def test_the_config_room_imports_nothing_of_the_toy_room():
+    """Loading a config reads and validates; building models is rl_specdec.toy.resolve's step (the toy room may
+    import the config room, never the reverse)."""
+    sources = {
+        module_name(p, ROOT): (p.read_text(), p.name == "__init__.py") for p in (ROOT / "rl_specdec").rglob("*.py")
+    }
+    graph = import_graph(sources)
+    assert room_edges(graph, "rl_specdec.config", "rl_specdec.toy") == []
+    assert room_edges(graph, "rl_specdec.toy", "rl_specdec.config"), "the negative control below needs an edge"
+    graph["rl_specdec.config.load"].add("rl_specdec.toy.build")  # negative control: a build reached from loading
+    assert room_edges(graph, "rl_specdec.config", "rl_specdec.toy") == [
+        "rl_specdec.config.load -> rl_specdec.toy.build"
+    ]

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rl_specdec.config import ConfigError, load_config_as_written
+from rl_specdec.config import ConfigError, load_config_as_written, models
 from rl_specdec.tasks import ArithmeticChatTask
-from rl_specdec.config import models
 from rl_specdec.toy import packaged
 
 SMOLLM2 = "pkg:smollm2-135m-instruct"

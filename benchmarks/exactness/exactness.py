@@ -72,9 +72,10 @@ SHARE = {"none": 0.1, "warmup": 0.35, "random": 0.15, "stretch": 0.15, "stale-dr
 
 def load(pair: str, engine: str, extra: list[str], drafter: str = "draft_model"):
     from rl_specdec.config import load_config
+    from rl_specdec.toy.resolve import prepare_models
 
     heads = [f"{SPEC}.method=eagle3", f"{SPEC}.model={HEADS[pair]}"] if drafter == "eagle3" else []
-    return load_config(CONFIGS[pair], ["policy.precision=fp32", *heads, *ENGINES[engine], *extra])
+    return prepare_models(load_config(CONFIGS[pair], ["policy.precision=fp32", *heads, *ENGINES[engine], *extra]))
 
 
 def schedule(mode: str, k_max: int, seed: int, n: int = 4999) -> list[int] | None:
@@ -135,8 +136,8 @@ def before_call(group, mode: str, cfg, call: int, args) -> None:
     if mode == "warmup":
         group.engine_rpc("rl_specdec_exactness", restart_controller=True)
     if mode == "refit":
-        spec = cfg.policy.generation.vllm_kwargs["speculative_config"]
-        noisy = perturbed(spec["model"], 0.05, args.seed * 1000 + call, spec["method"])
+        spec = cfg.policy.generation.speculation
+        noisy = perturbed(spec.model, 0.05, args.seed * 1000 + call, spec.method)
         group.update_weights(noisy, target="drafter")
 
 
@@ -144,7 +145,7 @@ def run_mode(group, model, cfg, mode: str, run: Run, args, bar) -> None:
     """Calls until the mode's share of ``--tokens`` is checked (or its share of ``--minutes`` is spent), the run
     saved after every call."""
     calls, spec = Calls(cfg, args.seed), mode != "none"
-    k_max = cfg.policy.generation.vllm_kwargs["speculative_config"]["num_speculative_tokens"] if spec else 0
+    k_max = cfg.policy.generation.speculation.k if spec else 0
     info, tally = run.info[mode], run.tallies[mode]
     if spec:  # a resumed run goes on with the schedule where the saved calls left it
         sched = schedule(mode, k_max, args.seed + 7919 * info["calls"])

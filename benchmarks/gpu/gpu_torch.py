@@ -1,7 +1,7 @@
 """The torch side on one GPU, measured (no vLLM there): the policy worker's train step and log-prob pass at
 Qwen3-1.7B's shape, as ``configs/qwen3_1p7b_one_gpu.yaml``'s trainer runs them, and the decode kernels of
-section 13's pair (a Qwen3-8B target, a Qwen3-0.6B drafter) under CUDA graphs, beside what section 13's cost
-model predicts for the same passes (docs/performance.md, section 13).
+the GPU cost model's pair (a Qwen3-8B target, a Qwen3-0.6B drafter) under CUDA graphs, beside what that cost
+model predicts for the same passes (docs/lab/gpu.md, "Measured on an H200: the torch side").
 
 The models are random-initialised at their config.json shapes (benchmarks/whatif/models.py): nothing is
 downloaded, and neither time nor memory depends on the weights' values.
@@ -20,7 +20,8 @@ the frozen reference and AdamW are the real ones) on a batch of ``--seqs`` GRPO 
 *The decode side* is a plain-torch decoder of each model's shape (RMSNorm, fused QKV, attention of every
 new token over ``--ctx`` tokens of KV cache per sequence, SwiGLU, LM head), one CUDA graph per pass, timed
 with CUDA events: the kernels of a vLLM step without its host work (scheduler, sampler, input preparation),
-which section 13 prices separately (``t_step``, ``t_spec``, ``t_pass``, ``t_req``).
+which the cost model prices separately (``t_step``, ``t_spec``, ``t_pass``, ``t_req``; docs/lab/gpu.md,
+"The model").
 """
 
 from __future__ import annotations

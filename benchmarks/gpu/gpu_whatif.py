@@ -8,8 +8,8 @@ adaptive controller among them. Everything it prints about a GPU is a prediction
         --grpo-metrics logs/grpo_spec_wide/metrics.jsonl --pair wide --policy controller:5 --k 5 --grpo-prompt-len 5
 
 The model, its constants and their sources: benchmarks/whatif/ (costmodel.py, hardware.py, models.py,
-workload.py); the policies: whatif/policies.py; the results and the calibration: docs/performance.md,
-section 13.
+workload.py); the policies: whatif/policies.py; the results: docs/performance.md, "On a GPU, predicted", and
+docs/lab/gpu.md, "Predicted speed-ups"; the calibration: docs/lab/gpu.md, "How good the calibration is".
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def default_steps() -> int:
     """The shipped default's own length: ``grpo.max_steps`` of configs/grpo_spec.yaml."""
     from rl_specdec.config import load_config
 
-    return load_config(REPO / DEFAULT_CONFIG, resolve_models=False).grpo.max_steps
+    return load_config(REPO / DEFAULT_CONFIG).grpo.max_steps
 
 
 def parser(description: str, section: str | None = None) -> argparse.ArgumentParser:

@@ -82,7 +82,8 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     # table, vLLM's static schedule, a concurrency threshold (FastGRPO's rule) and the controller
     "wide base": ("configs/grpo_base_wide.yaml", []),
     "wide k=4": ("configs/grpo_spec_wide.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=4"]),
-    # the best fixed k on the Intel Xeon by benchmarks/studies/k_profile.py (docs/performance.md; k=3, 4 within 4%)
+    # the best fixed k on the Intel Xeon by benchmarks/studies/k_profile.py (k=3, 4 within 4%; docs/lab/wide_pair.md,
+    # "Where the time goes, and the ceiling against the schedule")
     "wide k=5": ("configs/grpo_spec_wide.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=5"]),
     "wide schedule": (
         "configs/grpo_spec_wide.yaml",
@@ -92,7 +93,8 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         "configs/grpo_spec_wide.yaml",
         [f"{CONTROL}.mode=fixed", f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,16,5],[17,1024,0]]"],
     ),
-    "wide schedule corrected": (  # the best k of the corrected cost table per batch size (docs/performance.md 11)
+    # the best k of the corrected cost table per batch size (docs/performance.md, "Where it pays: the wide pair")
+    "wide schedule corrected": (
         "configs/grpo_spec_wide.yaml",
         [
             f"{CONTROL}.mode=off",
@@ -229,15 +231,13 @@ def spec_label(config: str, overrides: list[str]) -> str:
     "draft_model k=3", "draft_model k by batch 1-16:5 17-64:3 65-1024:2", "draft_model, the controller (k in 0..3)"."""
     from rl_specdec.config import load_config
 
-    cfg = load_config(REPO / config, overrides, resolve_models=False)
-    sc = cfg.policy.generation.vllm_kwargs.get("speculative_config")
-    if not sc:
+    cfg = load_config(REPO / config, overrides)
+    sc = cfg.policy.generation.speculation
+    if sc is None:
         return "none"
-    sched = sc.get("num_speculative_tokens_per_batch_size")
-    k = sc.get("num_speculative_tokens", sc.get("prompt_lookup_max"))
     control = cfg.policy.generation.speculation_control
     if control.mode == "adaptive":  # the controller: k per batch-size bucket, measured
-        return f"{sc['method']}, the controller (k in 0..{control.k_max or k})"
-    if sched:
-        return f"{sc['method']} k by batch " + " ".join(f"{lo}-{hi}:{kk}" for lo, hi, kk in sched)
-    return f"{sc['method']} k={k}"
+        return f"{sc.method}, the controller (k in 0..{control.k_max or sc.k})"
+    if sc.schedule:
+        return f"{sc.method} k by batch " + " ".join(f"{lo}-{hi}:{kk}" for lo, hi, kk in sc.schedule)
+    return f"{sc.method} k={sc.k}"

@@ -44,8 +44,9 @@ def run_trl(config_path: str, steps: int, out_dir: Path, log=print, overrides: l
 
     from rl_specdec.config import load_config
     from rl_specdec.tasks import make_task
+    from rl_specdec.toy.resolve import prepare_models
 
-    cfg = load_config(config_path, overrides or [])
+    cfg = prepare_models(load_config(config_path, overrides or []))
     g = cfg.grpo
     model_path = cfg.policy.model_name  # resolved to the toy checkpoint's folder by load_config
     task = make_task(cfg.task.name, **dict(cfg.task.kwargs))

@@ -52,7 +52,8 @@ SCHEDULE = [[1, 16, 5], [17, 64, 3], [65, 1024, 2]]
 
 
 def has_suffix() -> bool:
-    """suffix needs the arctic-inference package (see docs/performance.md for building it on CPU)."""
+    """suffix needs the arctic-inference package (docs/performance.md, "How the figures are taken", says how to
+    build it on CPU)."""
     from vllm.utils.import_utils import has_arctic_inference
 
     return has_arctic_inference()

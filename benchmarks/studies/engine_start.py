@@ -66,17 +66,18 @@ def child(config: str, overrides: list[str], decode: bool) -> None:
     """One engine start in this process; prints its figures as one JSON line."""
     from rl_specdec.config.load import load_config
     from rl_specdec.rollout.worker import VllmWorker
+    from rl_specdec.toy.resolve import prepare_models
 
     class TimedWorker(VllmWorker):
-        def _engine_kwargs(self, config):  # called right before vllm.LLM(...)
+        def _engine_kwargs(self, config, model, seed):  # called right before vllm.LLM(...)
             self.llm_t0 = time.time()
-            return super()._engine_kwargs(config)
+            return super()._engine_kwargs(config, model, seed)
 
         def _note_platform(self) -> None:  # called right after it
             self.llm_s = time.time() - self.llm_t0
             super()._note_platform()
 
-    cfg = load_config(config, overrides)
+    cfg = prepare_models(load_config(config, overrides))
     worker = TimedWorker()
     info = worker.start_engine(cfg.policy.model_name, cfg.policy.generation, cfg.seed, None)
     result = {"start_s": info["start_s"], "llm_s": worker.llm_s, "compile_cache": info["compile_cache"]}

@@ -1,6 +1,6 @@
 """Where a GRPO generation phase on the wide pair spends its time, engine step by engine step.
 
-A check of the calibration in docs/performance.md section 13: do the engine
+A check of the calibration (docs/lab/gpu.md, "How good the calibration is"): do the engine
 steps of a GRPO generation phase with speculation cost what the cost table
 (benchmarks/rollout/cost_table.py) says, and does the phase accept as its mean
 acceptance length says? This replays the wide workload's generation calls
@@ -51,9 +51,10 @@ VARIANTS = {  # name -> (config, overrides, run-time k or None)
 
 def start(name: str):
     from rl_specdec.config import load_config
+    from rl_specdec.toy.resolve import prepare_models
 
     path, overrides, k = VARIANTS[name]
-    cfg = load_config(str(ROOT / path), overrides)
+    cfg = prepare_models(load_config(str(ROOT / path), overrides))
     g = engine_group(k is not None)(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=0)
     if k is not None:
         g.set_speculation(k)

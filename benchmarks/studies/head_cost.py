@@ -94,14 +94,17 @@ def main() -> None:
     from rl_specdec.rollout.placement import stop_ray
     from rl_specdec.tasks import encode_prompts, make_task
     from rl_specdec.toy.heads import CHAT_HEAD, build_chat_head
+    from rl_specdec.toy.resolve import prepare_models
 
     print(header())
-    base = load_config(REPO / "configs/smollm2_base.yaml")
-    settings = {"none": base, "ngram k=3": load_config(REPO / "configs/smollm2_spec.yaml")}
+    base = prepare_models(load_config(REPO / "configs/smollm2_base.yaml"))
+    settings = {"none": base, "ngram k=3": prepare_models(load_config(REPO / "configs/smollm2_spec.yaml"))}
     print("| head | model decode step (ms) | head drafting step (ms) | head / step |\n|---|---|---|---|")
     for name, n in DRAFT_VOCABULARIES.items():
         folder = build_chat_head(Path(base.policy.model_name), dataclasses.replace(CHAT_HEAD, draft_vocab=n))
-        settings[f"eagle3 k=3, {name}"] = load_config(REPO / "configs/smollm2_eagle3.yaml", [f"{HEAD}={folder}"])
+        settings[f"eagle3 k=3, {name}"] = prepare_models(
+            load_config(REPO / "configs/smollm2_eagle3.yaml", [f"{HEAD}={folder}"])
+        )
         torch.set_num_threads(2)
         step_s, head_s = pass_costs(base.policy.model_name, str(folder), args.context, args.reps)
         print(f"| {name} | {step_s * 1e3:.2f} | {head_s * 1e3:.2f} | {head_s / step_s:.3f} (1/{step_s / head_s:.1f}) |")

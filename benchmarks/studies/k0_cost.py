@@ -105,8 +105,9 @@ def start_like_default(overrides: list[str], k: int | None):
     """An engine group built from configs/grpo_spec.yaml as a run builds it (precision auto, compiled,
     prefix caching), whose actors time the parts of each call (engine_parts)."""
     from rl_specdec.config import load_config
+    from rl_specdec.toy.resolve import prepare_models
 
-    cfg = load_config(DEFAULT_CONFIG, overrides)
+    cfg = prepare_models(load_config(DEFAULT_CONFIG, overrides))
     group = engine_parts.engine_group()(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
     if k is not None:
         group.set_speculation(k)
@@ -122,8 +123,9 @@ def default_calls(seed: int):
     from rl_specdec.grpo.step import prompt_seed, sampling_seed
     from rl_specdec.rollout import SamplingSettings
     from rl_specdec.tasks import encode_prompts, make_task
+    from rl_specdec.toy.resolve import prepare_models
 
-    cfg = load_config(DEFAULT_CONFIG)
+    cfg = prepare_models(load_config(DEFAULT_CONFIG))
     task, tok = make_task(cfg.task.name, **cfg.task.kwargs), AutoTokenizer.from_pretrained(cfg.policy.model_name)
     P, G = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
 
@@ -310,8 +312,9 @@ def main(argv=None) -> int:
         refit = None
         if args.refit and args.like_default:
             from rl_specdec.config import load_config
+            from rl_specdec.toy.resolve import prepare_models
 
-            cfg = load_config(DEFAULT_CONFIG, args.set)
+            cfg = prepare_models(load_config(DEFAULT_CONFIG, args.set))
             refit = policy_buckets(cfg.policy.model_name, cfg.policy.refit_bucket_bytes)
         per_seed = {}
         for sd in map(int, args.seeds.split(",")):

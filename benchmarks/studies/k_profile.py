@@ -1,5 +1,6 @@
 """How much any batch-size rule could gain over vLLM's schedule on the wide workload: every engine step of its
-generation calls, at every k, by the number of requests running (docs/performance.md, section 11).
+generation calls, at every k, by the number of requests running
+(docs/lab/wide_pair.md, "Where the time goes, and the ceiling against the schedule").
 
 The wide workload's generation calls (configs/grpo_spec_wide.yaml's prompts, ``--prompts`` x 8 samples a
 step, its sampling settings, the untrained policy) are replayed on one run-time-k engine at each fixed k in
@@ -10,7 +11,8 @@ time per emitted token; the tokens every run emitted at each batch size, pooled,
 rule is priced:
 
 * ``k=K``: K drafts at every batch size (``k=0`` is the fast path's plain step);
-* ``schedule``: vLLM's ``num_speculative_tokens_per_batch_size``, the corrected one of section 11;
+* ``schedule``: vLLM's ``num_speculative_tokens_per_batch_size``, set from the corrected cost table's best k
+  per batch size (docs/performance.md, "Where it pays: the wide pair");
 * ``oracle``: the best k per bucket of the controller's buckets, chosen on the other seeds' steps and
   priced on this seed's; chosen and priced on the same steps it is an upper bound (it picks noise too);
 * a run's controller, with ``--controller-runs``: the k per bucket its last metrics row reports.
@@ -56,6 +58,7 @@ def replay(args) -> dict:
     """Every call at each k: {"calls": [{seed, step, k, wall_s, tokens, cells}], ...} (:func:`call_cells`)."""
     from benchmarks.studies.grpo_gap import workload
     from rl_specdec.config import load_config
+    from rl_specdec.toy.resolve import prepare_models
     from rl_specdec.toy.wide import build_wide_models
 
     build_wide_models(log=log)
@@ -64,7 +67,7 @@ def replay(args) -> dict:
     importable()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     overrides = [f"grpo.num_prompts_per_step={args.prompts}", "policy.generation.speculation_control.mode=fixed"]
-    cfg = load_config(str(ROOT / CONFIG), overrides)
+    cfg = prepare_models(load_config(str(ROOT / CONFIG), overrides))
     g = engine_group(True)(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=0)
     g.engine_rpc("rl_specdec_step_records")  # installs the recorder; drops the start-up checks' steps
     calls, seeds = [], [int(s) for s in args.seeds.split(",")]

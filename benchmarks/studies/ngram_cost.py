@@ -114,10 +114,11 @@ def main() -> None:
     from rl_specdec.rollout.group import VllmGeneration
     from rl_specdec.rollout.placement import stop_ray
     from rl_specdec.tasks import encode_prompts, make_task
+    from rl_specdec.toy.resolve import prepare_models
 
     print(header())
-    base, spec = (load_config(REPO / f"configs/smollm2_{n}.yaml") for n in ("base", "spec"))
-    gen, ngram_spec = base.policy.generation, spec.policy.generation.vllm_kwargs["speculative_config"]
+    base, spec = (prepare_models(load_config(REPO / f"configs/smollm2_{n}.yaml")) for n in ("base", "spec"))
+    gen, ngram_spec = base.policy.generation, spec.policy.generation.speculation.to_vllm()
     run_batch = base.grpo.num_prompts_per_step * base.grpo.num_generations_per_prompt
     tokenizer = AutoTokenizer.from_pretrained(base.policy.model_name)
     task = make_task(base.task.name, **base.task.kwargs)
@@ -127,7 +128,7 @@ def main() -> None:
     import ray
 
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)  # three engines on the same 2 cores
-    tail = load_config(REPO / "configs/smollm2_spec.yaml", [TAIL_ONLY]).policy.generation
+    tail = prepare_models(load_config(REPO / "configs/smollm2_spec.yaml", [TAIL_ONLY])).policy.generation
     settings = {
         "none": (base, gen),
         "ngram k=3": (spec, spec.policy.generation),

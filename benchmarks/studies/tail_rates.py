@@ -41,9 +41,10 @@ TAIL = 32  # below this many running requests: the tail
 
 def start(name: str):
     from rl_specdec.config import load_config
+    from rl_specdec.toy.resolve import prepare_models
 
     overrides, k = ENGINES[name]
-    cfg = load_config(str(ROOT / "configs/grpo_spec.yaml"), overrides)
+    cfg = prepare_models(load_config(str(ROOT / "configs/grpo_spec.yaml"), overrides))
     g = engine_group(True)(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
     if k is not None:
         g.set_speculation(k)

@@ -36,7 +36,7 @@ INITIAL = np.log([20e9, 30e9, 3e-3, 1e-3, 1e-3, 20e-6, 20e-6])
 TOLERANCE = 0.15
 DTYPE_BYTES = {"float32": 4.0, "float": 4.0, "bfloat16": 2.0, "float16": 2.0, "half": 2.0}
 # Outside the engine steps a generate call spends ~0.07 s adding 512 requests and ~0.01 s at its end
-# (docs/performance.md, section 10, measured on this machine).
+# (docs/lab/run_time_k.md, "The default task", measured on this machine).
 CALL_OVERHEAD_S, CALL_OVERHEAD_PER_REQUEST_S = 0.01, 0.07 / 512
 
 

@@ -1,6 +1,7 @@
 """The tables of a GPU measurement (``benchmarks/gpu/gpu_torch.py``) beside what the cost model predicts.
 
-Three checks of section 13's constants, from measured passes rather than assumptions:
+Three checks of the GPU cost model's constants (docs/lab/gpu.md, "The model"), from measured passes rather than
+assumptions:
 
 * the train phase's MFU (``Device.mfu``, assumed 0.40) from rl_specdec's own train step, and the trainer's
   peak memory against the estimate in ``configs/qwen3_1p7b_one_gpu.yaml``'s header;

@@ -3,9 +3,10 @@ docs/data, every cell's residual, and the generation phases of real GRPO runs of
 with those constants.
 
 The runs are ``python -m benchmarks.grpo.bench --sections grpo --steps 5 --seeds 0,1 --variants "wide base;wide
-k=4;wide schedule;wide threshold;wide adaptive"`` (docs/performance.md, section 11): their metrics.jsonl
-are copied to docs/data/grpo_wide/. The toy pair's table (docs/data/cost_table_toy.json) is not in this
-fit: fitted with the wide pair's, one set of constants misses 21 of 112 cells (docs/performance.md section 13).
+k=4;wide schedule;wide threshold;wide adaptive"`` (docs/lab/wide_pair.md, "The wide GRPO workload"): their
+metrics.jsonl are copied to docs/data/grpo_wide/. The toy pair's table (docs/data/cost_table_toy.json) is not
+in this fit: fitted with the wide pair's, one set of constants misses 21 of 112 cells
+(docs/lab/gpu.md, "How good the calibration is").
 """
 
 from __future__ import annotations

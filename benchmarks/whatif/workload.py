@@ -136,7 +136,7 @@ class LengthDist:
     percentile at ~10x the median, the ratio a typical reasoning-RL run shows
     (median ~500, p99 ~5,000: jiahuanglin.xyz RL lesson 22b, 'long-tail
     rollouts'); our long-tail toy measured its longest rollout at 12.7x the
-    median (docs/performance.md, section 10). The median and the cap are
+    median (docs/lab/run_time_k.md, "The long-tail workload"). The median and the cap are
     illustrative choices for an 8B reasoning run (2% of rollouts hit the cap):
     replace them (--length-median, --length-sigma, --max-new-tokens) or use a
     run's own lengths (--lengths-from metrics.jsonl).

@@ -24,7 +24,8 @@ class DrafterTrainingConfig:
 
     enabled: bool = False
     # AdamW's learning rate; null: 1e-3 for a draft model, 1e-4 for an eagle3 head (a head built near the policy's
-    # optimum; 1e-3 moved it away: acceptance fell step by step on the wide pair, docs/performance.md)
+    # optimum; 1e-3 moved it away: acceptance fell step by step on the wide pair; docs/lab/heads.md,
+    # "The first two GRPO invocations")
     learning_rate: Optional[float] = None
     steps_per_update: int = 1  # optimizer steps on each training step's rollouts
     every: int = 1  # train and refit the drafter every N GRPO steps
@@ -185,6 +186,10 @@ class GenerationConfig:
         """``vllm_kwargs.speculative_config`` typed and frozen (None: no speculation). The dict stays vLLM's shape
         for the YAML and the printed config; every reader outside ``rl_specdec.config`` takes this instead."""
         return Speculation.from_vllm(self.vllm_kwargs.get("speculative_config"))
+
+    def set_drafter_model(self, model: str) -> None:
+        """The drafter's name replaced by its folder (rl_specdec.toy.resolve.prepare_models)."""
+        self.vllm_kwargs["speculative_config"]["model"] = model
 
     def without_speculation(self) -> GenerationConfig:
         """These settings with speculation off (what a group restarts with when speculation is turned off)."""

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from rl_specdec.config import RunConfig, check_cluster_resources, check_runs_here, to_dict
-from rl_specdec.toy.resolve import prepare_models
 from rl_specdec.drafter.upkeep import DrafterUpkeep
 from rl_specdec.errors import GenerationEngineDied, PolicyWorkerDied
 from rl_specdec.grpo.checkpoint import CheckpointManager
@@ -28,6 +27,7 @@ from rl_specdec.metrics.logger import MetricsLogger, Timer
 from rl_specdec.policy import PolicyInterface
 from rl_specdec.rollout import RolloutEngine
 from rl_specdec.tasks import Task, encode_prompts, make_task
+from rl_specdec.toy.resolve import prepare_models
 
 logger = logging.getLogger(__name__)
 

@@ -177,7 +177,8 @@ def cached_head(policy: Path, root: Path, make_batches, cfg: HeadBuildConfig, lo
 
 # the real model's head: its own layer's width, its own sampled answers to the chat task (one-sentence replies),
 # its own LM head over the 4,096 tokens it answers with most: a pass costs 1/20 of a model step at batch 1, where
-# drafting through the model's 49,152-token LM head costs 1/5 (docs/performance.md, "On a real model")
+# drafting through the model's 49,152-token LM head costs 1/5
+# (docs/lab/smollm2.md, "Its EAGLE-3 head: cost and speed-up per batch size")
 CHAT_HEAD = HeadBuildConfig(pool=24, steps=200, intermediate_size=1536, pool_dtype="bfloat16", draft_vocab=4096)
 CHAT_INSTRUCTION = "Answer in one short sentence, then give the final answer as \\boxed{N}."
 

@@ -70,12 +70,12 @@ def prepare_models(cfg: RunConfig, log: Callable[[str], None] | None = None) -> 
     t0, toy_paths = time.time(), _toy_pairs(log)
     gen = cfg.policy.generation
     cfg.policy.model_name = _folder(cfg.policy.model_name, "policy.model_name", toy_paths, log)
-    spec = gen.vllm_kwargs.get("speculative_config")
-    if spec and spec.get("model"):
-        spec["model"] = _folder(spec["model"], DRAFTER_KEY, toy_paths, log)
-    check_drafter_vocabulary(spec, cfg.policy.model_name)
-    if gen.speculation is not None and gen.speculation.is_head and gen.drafter_training.enabled:
-        _check_trainable_head(gen.speculation.model)
+    if gen.speculation is not None and gen.speculation.model:
+        gen.set_drafter_model(_folder(gen.speculation.model, DRAFTER_KEY, toy_paths, log))
+    spec = gen.speculation
+    check_drafter_vocabulary(spec.to_vllm() if spec else None, cfg.policy.model_name)
+    if spec is not None and spec.is_head and gen.drafter_training.enabled:
+        _check_trainable_head(spec.model)
     if time.time() - t0 > 5:
         log(f"models ready in {time.time() - t0:.0f}s (cached for the next run)")
     return cfg

@@ -26,8 +26,8 @@ steps, as the other toy drafters are. So few steps leave it as far from its
 target as real drafters are from theirs: acceptance length ~2.9 at k=4 (the
 long-tail drafter reaches 3.9, closer than any published pair). At batch 1
 the wide target's step reads ~400 MB of fp32 weights and costs ~14 ms on 2
-cores, about 20 drafter passes (docs/performance.md, "Where it pays: the wide pair", has the
-measured table).
+cores, about 20 drafter passes (docs/lab/wide_pair.md, "Its cost table", has the measured table;
+docs/performance.md, "Where it pays: the wide pair", its best k per batch size).
 
 Cached like the other toys, under its own key (first use builds the long-tail
 pair if needed, then widens in seconds): ``toy:wide-policy``, ``toy:wide-drafter``.
