@@ -168,7 +168,7 @@ def print_report(data: dict) -> None:
     if data["train"]:
         print(f"## The train side: {data['train'][0]['shape']}, {data['train'][0]['seqs']} rollouts of up to "
               f"{data['train'][0]['max_len']} tokens ({data['train'][0]['tokens']:,} tokens), MFU against "
-              f"{dev.flops / 1e12:.0f} TFLOP/s dense bf16 (section 13 assumes {H.H200.mfu:.2f})\n")  # fmt: skip
+              f"{dev.flops / 1e12:.0f} TFLOP/s dense bf16 (the cost model assumes {H.H200.mfu:.2f})\n")  # fmt: skip
         print("\n".join(train_table(data, dev)) + "\n")
     rows = [r for r in data["decode"] if not r.get("eager")]
     if not rows:
