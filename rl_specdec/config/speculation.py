@@ -43,13 +43,6 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
         raise ConfigError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
 
-def configured_k(spec: dict[str, Any]) -> int:
-    """The k speculative_config asks for: num_speculative_tokens, else its schedule's largest k."""
-    if spec.get("num_speculative_tokens") is not None:
-        return int(spec["num_speculative_tokens"])
-    return max(int(e[2]) for e in spec.get("num_speculative_tokens_per_batch_size") or [[1, 1, 1]])
-
-
 def validate_speculation(gen: GenerationConfig) -> None:
     """The canary, run-time k and drafter training: values, and whether the method supports them."""
     c = gen.acceptance_canary
@@ -124,7 +117,7 @@ def validate_speculation_control(gen: GenerationConfig) -> None:
         return
     if problem:
         raise ConfigError(problem)
-    _check_control_numbers(c, configured_k(gen.vllm_kwargs["speculative_config"]))
+    _check_control_numbers(c, gen.speculation.k)
     _check_draft_below(c, gen.vllm_kwargs["speculative_config"])
     _resolve_start(c, gen.vllm_kwargs["speculative_config"])
 

@@ -81,7 +81,8 @@ class Mismatch:
 
 def requested(gen: GenerationConfig) -> dict[str, Any]:
     """The compared settings the user set, in the flat keys of the read-back."""
-    asked = {**gen.vllm_kwargs, **(gen.speculation.settings() if gen.speculation else {})}
+    spec = gen.speculation
+    asked = {**gen.vllm_kwargs, **(spec.settings() if spec else {})}
     return {k: v for k, v in asked.items() if k in COMPARED and v is not None}
 
 
