@@ -117,7 +117,11 @@ def test_a_draft_vocabulary_head_keeps_its_map_sends_its_own_lm_head_and_learns_
     first, _ = head_loss(head, aux, ids, target, mask, embed, lm_head, 2)
     assert head_loss(head, aux, ids, elsewhere, mask, embed, lm_head, 2)[0].item() == pytest.approx(first.item())
     loss, agree = fit(head, aux, ids, target, mask, embed, lm_head)
-    assert loss.item() < first.item() - 0.3 and min(agree) > 0.5
+    assert loss.item() < first.item() - 0.3
+    for j, a in enumerate(agree):  # agreement is over the whole vocabulary: a top token off the draft one is a miss
+        assert a <= torch.isin(target[:, j + 1 :].argmax(-1), keep).float().mean().item() + 1e-6
+    mostly_kept = torch.log_softmax(target + 6.0 * torch.isin(torch.arange(40), keep), -1)
+    assert min(fit(head, aux, ids, mostly_kept, mask, embed, lm_head)[1]) > 0.5
     assert torch.equal(head.draft_ids(), keep)  # training moves the LM head, never the map
 
 
@@ -142,7 +146,7 @@ def test_a_published_head_loads_with_its_grouped_query_attention_and_draft_vocab
     assert torch.equal(loaded.draft_ids(), head.draft_ids())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
     assert not is_trainable_head(tmp_path)
-    with pytest.raises(ValueError, match="it has 2 layer"):
+    with pytest.raises(ValueError, match="num_hidden_layers=2"):
         load_head(tmp_path, target_layers=30)
 
 

@@ -202,4 +202,6 @@ class GenerationConfig:
 
     def vllm_hook_features(self, server: bool = False) -> tuple[str, ...]:
         """The groups of vLLM hooks an engine with these settings uses (``rl_specdec.vllm_ext.FEATURES``)."""
-        return ("core",) + (("runtime_k",) if self.runtime_k_on() else ()) + (("server",) if server else ())
+        trains_head = self.speculation is not None and self.speculation.is_head and self.drafter_training.enabled
+        features = ("core",) + (("runtime_k",) if self.runtime_k_on() else ()) + (("heads",) if trains_head else ())
+        return features + (("server",) if server else ())

@@ -20,8 +20,11 @@ So they are never saved and never sent.
 
 vLLM's aux layer id ``L`` is the residual stream after ``L`` decoder layers:
 index ``L`` of transformers' ``hidden_states`` tuple (index 0 is the embedding),
-for ``1 <= L < num_hidden_layers``. vLLM sorts the ids, so features are
-concatenated in ascending order.
+for ``0 <= L < num_hidden_layers`` (at ``L = num_hidden_layers`` vLLM reads the
+pre-norm state, transformers the post-norm one, so that id is refused). vLLM
+sorts the ids, so features are concatenated in ascending order, and so is
+:attr:`HeadShape.aux_layer_ids`. Which published heads are taken, and why, is
+:mod:`rl_specdec.heads.forms`.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rl_specdec.heads.forms import tensor_problems, untrainable
+
 HEAD_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's registry maps it to its Llama EAGLE-3 head
+_FROZEN = "Or set policy.generation.drafter_training.enabled=false to serve it frozen (vLLM alone runs it)."
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,13 @@ class HeadShape:
     # vocabulary): on a wide vocabulary the LM head is most of the head's pass
     draft_vocab_size: int = 0
     num_key_value_heads: int = 0  # 0: one per attention head; fewer: grouped-query attention (published heads)
+
+    def __post_init__(self):
+        ids = tuple(self.aux_layer_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"aux layer ids {ids} repeat a layer: vLLM reads each layer once")
+        # vLLM's target hands over its aux states in layer order, whatever order the config names them in
+        object.__setattr__(self, "aux_layer_ids", tuple(sorted(ids)))
 
     @property
     def kv_heads(self) -> int:
@@ -106,8 +119,9 @@ class HeadShape:
     def from_config(cls, config, target_layers: int | None = None) -> HeadShape:
         """The shape of an EAGLE-3 head from its config object (transformers' or vLLM's, which wraps it). A head
         that names no aux layers reads vLLM's default ones of a target with ``target_layers`` layers."""
-        ids = (getattr(config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
-        ids = ids or (default_aux_layers(target_layers) if target_layers else (0, 0, 0))
+        ids = getattr(config, "eagle_aux_hidden_state_layer_ids", None)  # read as vLLM's model runner reads it
+        ids = ids or (getattr(config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+        ids = ids or (default_aux_layers(target_layers) if target_layers else (0, 1, 2))  # (0, 1, 2): the count alone
         heads = config.num_attention_heads
         draft = getattr(config, "draft_vocab_size", None) or config.vocab_size
         kv = getattr(config, "num_key_value_heads", None) or heads
@@ -131,32 +145,17 @@ class HeadShape:
         """The shape of the head in ``folder``: one written here, or a published one-layer Llama EAGLE-3 head."""
         path = Path(folder) / "config.json"
         config = json.loads(path.read_text()) if path.is_file() else {}
-        if "rl_specdec_head" in config:
+        why = untrainable(config, target_layers)
+        if "rl_specdec_head" in config and not why:
             raw = config["rl_specdec_head"]
             return cls(**{**raw, "aux_layer_ids": tuple(raw["aux_layer_ids"])})
-        why = untrainable(config)
         if why:
             raise ValueError(
                 f"{folder} is not an EAGLE-3 head rl_specdec can train: {why}. Train a head built here "
                 "(toy:eagle3, toy:wide-eagle3, pkg:smollm2-135m-instruct-eagle3, or one saved with "
-                "rl_specdec.heads.eagle3.save_head) or a one-layer Llama EAGLE-3 head, or set "
-                "drafter_training.enabled=false to serve this one frozen."
+                f"rl_specdec.heads.eagle3.save_head) or a one-layer Llama EAGLE-3 head. {_FROZEN}"
             )
         return cls.from_config(type("HeadConfig", (), config)(), target_layers)
-
-
-def untrainable(config: dict) -> str:
-    """Why a head's ``config.json`` (a dict) is not one :class:`Eagle3Head` mirrors ("" if it is)."""
-    if not config:
-        return "it has no config.json"
-    if "rl_specdec_head" in config:
-        return ""
-    if "Eagle3" not in " ".join(config.get("architectures") or []):
-        return f"its architectures {config.get('architectures')} are not an EAGLE-3 head's"
-    odd = [k for k in ("norm_before_fc", "fc_norm", "parallel_drafting") if config.get(k)]
-    if config.get("num_hidden_layers", 1) != 1 or odd:
-        return f"it has {config.get('num_hidden_layers', 1)} layer(s) and {odd or 'no'} options the trainer lacks"
-    return ""
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -301,7 +300,7 @@ def head_loss(head: Eagle3Head, aux, input_ids, target_logp, mask, embed, lm_hea
     scoring keeps); mask [B, T]: 1 where row t of ``target_logp`` is a response position to learn. Step j's
     row t predicts x_{t+j+1}, whose distribution is target_logp[:, t+j]. A head with a draft vocabulary uses
     its own LM head and learns the target's distribution over that vocabulary, renormalised. Returns (loss,
-    per-step top-1 agreement)."""
+    per-step top-1 agreement with the target over its whole vocabulary: a draft vocabulary's misses count)."""
     own = head.shape.draft_vocab_size > 0
     weight, keep = (head.lm_head.weight, head.draft_ids()) if own else (lm_head, None)
     position = mask.nonzero(as_tuple=True)[1] if target_logp.dim() == 2 else None  # [M]: each target row's t
@@ -313,12 +312,14 @@ def head_loss(head: Eagle3Head, aux, input_ids, target_logp, mask, embed, lm_hea
         # the same rows of the target, in the same order: those at t >= shift
         tgt = target_logp[position >= shift] if position is not None else target_logp[:, shift:][rows]
         tgt, w = tgt.float(), mask[:, shift:][rows]  # [R, V] (bf16 in a build pool), [R]
+        top = tgt.argmax(-1)  # [R]: the target's top token over its whole vocabulary
         if own:
             tgt = F.log_softmax(tgt[:, keep], -1)  # [R, n]
         ce = -(tgt.exp() * logp).sum(-1)  # [R]
         denom = w.sum().clamp(min=1)
         total = total + (ce * w).sum() / denom
-        agree.append(float(((logp.argmax(-1) == tgt.argmax(-1)).float() * w).sum() / denom))
+        guess = keep[logp.argmax(-1)] if own else logp.argmax(-1)  # [R]: the head's top token, as a target id
+        agree.append(float(((guess == top).float() * w).sum() / denom))
     return total / steps, agree
 
 
@@ -363,7 +364,8 @@ def load_head(folder: str | Path, target_layers: int | None = None) -> Eagle3Hea
     tensors = {}
     for f in files or sorted(Path(folder).glob("*.bin")):
         tensors.update(load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, weights_only=True))
-    if "embed_tokens.weight" in tensors:  # vLLM would draft with this copy; the trainer uses the target's
-        raise ValueError(f"{folder} holds its own embed_tokens: the trainer learns a head that shares the target's")
+    why = tensor_problems(set(tensors), set(head.vllm_state_dict()), head.shape.draft_vocab_size > 0)
+    if why:
+        raise ValueError(f"{folder} is not an EAGLE-3 head rl_specdec can train: {why}. {_FROZEN}")
     head.load_vllm_state_dict(tensors)  # a published head's t2d (the inverse of d2t) is not needed
     return head

@@ -75,19 +75,29 @@ def prepare_models(cfg: RunConfig, log: Callable[[str], None] | None = None) -> 
     spec = gen.speculation
     check_drafter_vocabulary(spec.to_vllm() if spec else None, cfg.policy.model_name)
     if spec is not None and spec.is_head and gen.drafter_training.enabled:
-        _check_trainable_head(spec.model)
+        _check_trainable_head(spec.model, cfg.policy.model_name)
     if time.time() - t0 > 5:
         log(f"models ready in {time.time() - t0:.0f}s (cached for the next run)")
     return cfg
 
 
-def _check_trainable_head(folder: str) -> None:
-    from rl_specdec.heads.eagle3 import untrainable
+def _check_trainable_head(folder: str, target: str) -> None:
+    import torch
+
+    from rl_specdec.heads.eagle3 import Eagle3Head, HeadShape
+    from rl_specdec.heads.forms import tensor_names, tensor_problems, untrainable
 
     path = Path(folder) / "config.json"
     if not os.path.isdir(folder):  # a hub id: read when the policy workers load it
         return
-    why = untrainable(json.loads(path.read_text()) if path.is_file() else {})
+    target_config = Path(target) / "config.json"
+    layers = json.loads(target_config.read_text()).get("num_hidden_layers") if target_config.is_file() else None
+    why = untrainable(json.loads(path.read_text()) if path.is_file() else {}, layers)
+    if not why:
+        shape = HeadShape.read(folder, layers)
+        with torch.device("meta"):
+            expected = set(Eagle3Head(shape).vllm_state_dict())
+        why = tensor_problems(tensor_names(folder), expected, shape.draft_vocab_size > 0)
     if why:
         raise ConfigError(
             f"{DRAFTER_KEY}={folder!r} with policy.generation.drafter_training.enabled=true: the trainer cannot "

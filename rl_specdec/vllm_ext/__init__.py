@@ -17,6 +17,7 @@ function) lives in one module of this package, and nothing else does:
 ``model_runner``   the k=0 fast path: instance wrappers on the model runner, step records
 ``drafter_kv``     the drafter forward that catches its KV cache up
 ``openai_app``     vLLM's OpenAI app with our renderer and chat handler
+``head_parity``    vLLM's EAGLE-3 drafter loaded in process, to check the trainer's head against
 =================  ==============================================================
 
 Each of those modules declares ``PROBES``: checks of every name and signature it
@@ -48,6 +49,7 @@ FEATURES = {  # feature -> the modules whose hooks it uses
     "core": ("declarations", "platform", "worker", "cpu_sampler", "compile_cache"),
     "runtime_k": ("scheduler", "model_runner", "drafter_kv"),
     "server": ("openai_app",),
+    "heads": ("head_parity",),
 }
 
 
