@@ -13,10 +13,20 @@ from rl_specdec.heads.forms import SUPPORTED, untrainable
 # the published head configs/qwen3_eagle3.yaml names (Tengyunw/qwen3_8b_eagle3), as its config.json reads:
 # one Llama decoder layer sized like a Qwen3-8B layer, grouped-query 32:8, a 32,000-token draft vocabulary
 QWEN3_8B_HEAD = {
-    "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 4096,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 12288, "num_hidden_layers": 1,
-    "hidden_act": "silu", "rms_norm_eps": 1e-6, "vocab_size": 151936, "draft_vocab_size": 32000,
-    "max_position_embeddings": 40960, "tie_word_embeddings": False, "torch_dtype": "float16",
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 1,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 151936,
+    "draft_vocab_size": 32000,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
 }
 
 
@@ -29,9 +39,16 @@ def test_the_published_head_the_gpu_config_names_is_the_trained_form():
 @pytest.mark.parametrize(
     ("option", "value"),
     [
-        ("norm_before_residual", True), ("norm_output", True), ("attention_bias", True), ("mlp_bias", True),
-        ("hidden_act", "gelu"), ("num_hidden_layers", 2), ("fc_norm", True), ("norm_before_fc", True),
-        ("logit_scale", 2.0), ("target_hidden_size", 2048),
+        ("norm_before_residual", True),
+        ("norm_output", True),
+        ("attention_bias", True),
+        ("mlp_bias", True),
+        ("hidden_act", "gelu"),
+        ("num_hidden_layers", 2),
+        ("fc_norm", True),
+        ("norm_before_fc", True),
+        ("logit_scale", 2.0),
+        ("target_hidden_size", 2048),
     ],
 )
 def test_an_option_that_changes_vllms_computation_is_refused_by_name(option, value):
@@ -66,8 +83,9 @@ def test_the_trainer_reads_aux_ids_as_vllm_does_top_level_first_and_in_layer_ord
     shape = HeadShape.from_config(type("C", (), {**QWEN3_8B_HEAD, "eagle_aux_hidden_state_layer_ids": [30, 3, 17]})())
     assert shape.aux_layer_ids == (3, 17, 30)
     with pytest.raises(ValueError, match="repeat"):
-        HeadShape(hidden_size=8, num_attention_heads=1, head_dim=8, intermediate_size=8, vocab_size=8,
-                  aux_layer_ids=(1, 1, 2))
+        HeadShape(
+            hidden_size=8, num_attention_heads=1, head_dim=8, intermediate_size=8, vocab_size=8, aux_layer_ids=(1, 1, 2)
+        )
 
 
 def test_the_run_stops_at_prepare_on_a_head_it_cannot_train(tmp_path):

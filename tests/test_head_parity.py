@@ -22,22 +22,32 @@ VOCAB, STEPS, T = 48, 3, 12
 
 
 def _target(kind: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config
-    from transformers import Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, max_position_embeddings=64)
     if kind == "qwen2":  # the toys' architecture: one key head per query head, biased q/k/v
-        return Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=4, **common))
+        config = Qwen2Config(num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=4, **common)
+        return Qwen2ForCausalLM(config)
     if kind == "llama":  # shaped like SmolLM2-135M: grouped-query 3:1, tied embeddings, theta 1e5
         config = LlamaConfig(
-            num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-            rope_theta=100000.0, **{**common, "hidden_size": 96},
+            num_hidden_layers=6,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+            rope_theta=100000.0,
+            **{**common, "hidden_size": 96},
         )
         return LlamaForCausalLM(config)
     # Qwen3-8B's form, scaled down (configs/qwen3_eagle3.yaml): q/k norms, grouped-query 4:1, untied
     config = Qwen3Config(
-        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-        rope_theta=1000000.0, **common,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        **common,
     )
     return Qwen3ForCausalLM(config)
 
@@ -88,7 +98,8 @@ def built(tmp_path_factory):
         head = Eagle3Head(dataclasses.replace(shape, aux_layer_ids=tuple(ids)) if ids else shape)
         _randomise(head, 100 + i)
         if draft:
-            head.set_draft_vocabulary(torch.randperm(VOCAB)[:draft].sort().values, torch.randn(VOCAB, shape.hidden_size))
+            keep = torch.randperm(VOCAB)[:draft].sort().values
+            head.set_draft_vocabulary(keep, torch.randn(VOCAB, shape.hidden_size))
         if ids is None:
             save_head(head, d / "head")
         else:
@@ -160,15 +171,26 @@ def test_a_head_with_a_tensor_the_trainer_lacks_is_refused(tmp_path):
     them; the trainer refuses the checkpoint instead of dropping them."""
     from safetensors.torch import save_file
 
-    shape = HeadShape(hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=96, vocab_size=VOCAB,
-                      aux_layer_ids=(1, 2, 3))
+    shape = HeadShape(
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=VOCAB,
+        aux_layer_ids=(1, 2, 3),
+    )
     head = Eagle3Head(shape)
     save_head(head, tmp_path)
     tensors = {**head.vllm_state_dict(), "midlayer.self_attn.q_norm.weight": torch.ones(16)}
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"does not have: \['midlayer.self_attn.q_norm.weight'\]"):
         load_head(tmp_path)
-    save_file({**{k: v.detach().contiguous() for k, v in head.vllm_state_dict().items()},
-               "lm_head.weight": torch.zeros(VOCAB, 64)}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {
+            **{k: v.detach().contiguous() for k, v in head.vllm_state_dict().items()},
+            "lm_head.weight": torch.zeros(VOCAB, 64),
+        },
+        str(tmp_path / "model.safetensors"),
+    )
     with pytest.raises(ValueError, match="full-vocabulary lm_head.weight"):
         load_head(tmp_path)

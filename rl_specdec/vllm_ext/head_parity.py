@@ -115,7 +115,8 @@ class DrafterPair:
         with set_current_vllm_config(self.config):
             _one_process_group()
             self.target = get_model(vllm_config=self.config)
-            self.drafter = get_model(vllm_config=self.config, model_config=self.config.speculative_config.draft_model_config)
+            draft_config = self.config.speculative_config.draft_model_config
+            self.drafter = get_model(vllm_config=self.config, model_config=draft_config)
         runner = SimpleNamespace(speculative_config=self.config.speculative_config)
         ids = GPUModelRunner._get_eagle3_aux_layers_from_config(runner)
         self.target.set_aux_hidden_state_layers(ids or self.target.get_eagle3_default_aux_hidden_state_layers())
@@ -183,7 +184,8 @@ def drafter_class(architecture: str) -> str:
 PROBES = {
     "get_model, _maybe_share_*, _get_eagle3_aux_layers_from_config": _probe_loading,
     "Eagle3LlamaForCausalLM, Attention fields": _probe_modules,
-    "_SPECULATIVE_DECODING_MODELS": lambda: drafter_class("LlamaForCausalLMEagle3") or (_ for _ in ()).throw(
-        AttributeError("vLLM no longer maps LlamaForCausalLMEagle3 to a drafter")
+    "_SPECULATIVE_DECODING_MODELS": lambda: (
+        drafter_class("LlamaForCausalLMEagle3")
+        or (_ for _ in ()).throw(AttributeError("vLLM no longer maps LlamaForCausalLMEagle3 to a drafter"))
     ),
 }
