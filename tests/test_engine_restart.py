@@ -177,6 +177,48 @@ def test_without_replacement_the_last_finished_step_is_saved_and_resume_goes_on(
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
 
 
+def test_past_the_bound_a_death_at_refit_saves_the_updated_step_and_resume_loses_nothing(plain, tmp_path, monkeypatch):
+    """max_restarts=0 and the engine killed in step 3's refit phase, after the policy's update: the run stops,
+    and step 3 (updated, not refit, not validated, not due for a checkpoint) is saved first, marked incomplete;
+    resume=true refits it into new engines and ends with the uninterrupted run's weights."""
+    from rl_specdec.errors import GenerationEngineDied
+    from rl_specdec.grpo import loop
+    from rl_specdec.rollout.group import VllmGeneration
+
+    real_step, real_refit, at = loop.grpo_step, VllmGeneration.update_weights_buckets, {"step": -1}
+    pids: set[int] = set()
+
+    def step(run, i):
+        at["step"] = i
+        return real_step(run, i)
+
+    def refit(group, buckets, target="policy"):
+        pids.update(p["pid"] for p in group.placements)
+        if at["step"] == 2:
+            os.kill(group.placements[0]["pid"], signal.SIGKILL)
+            psutil.wait_procs([psutil.Process(group.placements[0]["pid"])], timeout=10)
+        return real_refit(group, buckets, target)
+
+    monkeypatch.setattr(loop, "grpo_step", step)
+    monkeypatch.setattr(VllmGeneration, "update_weights_buckets", refit)
+    with pytest.raises(GenerationEngineDied) as e:
+        _train(tmp_path, OFF, "policy.generation.engine_restart.max_restarts=0")
+    assert "max_restarts=0" in str(e.value) and "step_000003" in str(e.value) and "resume=true" in str(e.value)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000003"]
+    state = json.loads((tmp_path / "checkpoints/step_000003/trainer_state.json").read_text())
+    assert state["complete"] is False and state["metrics"]["faults/incomplete_step"] == 1.0
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2]
+    assert not _gone(pids)
+
+    monkeypatch.undo()
+    _train(tmp_path, OFF, "resume=true")
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[2]["faults/incomplete_step"] == 1.0
+    assert rows[3]["train/logprob_mismatch_max"] < 1e-3  # the new engines hold step 3's update
+    wa, wb = _weights(plain), _weights(tmp_path)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
 def test_a_replacement_that_cannot_start_stops_the_run_with_the_step_saved(tmp_path, monkeypatch):
     """The new engine's model folder is gone (a real failed start in the new actor): the run stops with the
     reason, the last finished step is checkpointed, and no engine process is left."""

@@ -35,10 +35,11 @@ from rl_specdec.grpo.stop import StopSignals
 logger = logging.getLogger(__name__)
 
 
-def save_checkpoint(run: GRPORun, step: int, row: dict[str, Any]) -> None:
+def save_checkpoint(run: GRPORun, step: int, row: dict[str, Any], complete: bool = True) -> None:
     """Atomic checkpoint after ``step`` steps; it carries the step's metric row, so a crash before logging
-    loses nothing, and with ``grpo.max_staleness=1`` the next step's rollouts (:mod:`rl_specdec.grpo.pipeline`)."""
-    state = {"step": step, "data_position": step, "seed": run.cfg.seed, "metrics": row}
+    loses nothing, and with ``grpo.max_staleness=1`` the next step's rollouts (:mod:`rl_specdec.grpo.pipeline`).
+    ``complete`` False: a fault stopped the step after its update, before its refit or validation finished."""
+    state = {"step": step, "data_position": step, "seed": run.cfg.seed, "metrics": row, "complete": complete}
     if run.pipeline is not None:
         state["pipeline"] = run.pipeline.state(step)
 
@@ -153,7 +154,7 @@ def step_and_log(run: GRPORun, step: int) -> dict[str, Any]:
     if run.recovery is not None:  # train() sets it; a loop driven by hand may not
         row.update(run.recovery.metrics())
     run.metrics.log(row, step=step + 1)
-    run.finished, run.last_row, run.step_in_progress = step + 1, row, False
+    run.finished, run.last_row, run.step_in_progress, run.updated = step + 1, row, False, None
     return row
 
 
@@ -169,14 +170,15 @@ def checkpoint_step(run: GRPORun, step: int, row: dict[str, Any]) -> None:
     row.update(run.timer.pop())
 
 
-def last_checkpoint(run: GRPORun, finished: int, row: dict[str, Any]) -> Path | None:
+def last_checkpoint(run: GRPORun, finished: int, row: dict[str, Any], complete: bool = True) -> Path | None:
     """After a stop: the checkpoint of the last finished step, written now unless it is on disk (a step dropped
-    while generating leaves the one before it, which may not have been due); None when there is none."""
+    while generating leaves the one before it, which may not have been due); None when there is none.
+    ``complete`` False: ``finished`` is a step a fault stopped after its update (:func:`save_checkpoint`)."""
     if run.checkpoints is None or finished == 0:
         return None
     if not run.checkpoints.has(finished):
         try:
-            save_checkpoint(run, finished, row)
+            save_checkpoint(run, finished, row, complete)
         except CheckpointWriteFailed as e:
             logger.error("%s", e)
             return None
@@ -185,9 +187,12 @@ def last_checkpoint(run: GRPORun, finished: int, row: dict[str, Any]) -> Path | 
 
 def _log_failure(run: GRPORun, step: int, e: BaseException) -> None:
     latest = run.checkpoints.latest() if run.checkpoints else None
-    where = (
-        f"; the last checkpoint is {latest[0]} (step {latest[1]['step']}), continue with resume=true" if latest else ""
-    )
+    if latest:
+        where = f"; the newest checkpoint is {latest[0]} (step {latest[1]['step']}): {run.stop.resume_hint()}"
+    elif run.checkpoints:
+        where = f"; there is no checkpoint yet (checkpoint.every={run.cfg.checkpoint.every} bounds what a fault loses)"
+    else:
+        where = "; checkpoint.enabled=false: there is nothing to resume from"
     logger.error("GRPO stopped at step %d: %s: %s%s", step + 1, type(e).__name__, e, where)
 
 

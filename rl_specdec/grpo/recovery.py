@@ -6,12 +6,14 @@ killer, a preempted node), :class:`EngineRecovery`, called by the engine group
 (:meth:`~rl_specdec.rollout.engines.EngineSlots._gather`, or the refit phase):
 
 1. **checkpoints first**: the last finished step is saved, unless it is on disk already, whatever happens
-   next (as a stop by SIGTERM does). This needs the trainer to hold that step's state, which it does until
-   the step's rollouts are back; later in a step (training, refit, validation), the newest checkpoint on
-   disk is what a failed replacement leaves;
-2. stops the run with :class:`~rl_specdec.errors.GenerationEngineDied`, naming that checkpoint and the command
+   next (as a stop by SIGTERM does), while the trainer holds exactly that step's state (until the step's
+   rollouts are back);
+2. stops the run with :class:`~rl_specdec.errors.GenerationEngineDied`, naming the checkpoint and the command
    that resumes, when replacement is off, its bound is reached (``max_restarts`` per run, ``max_per_hour``
-   in any hour), or the new engine does not start;
+   in any hour), or the new engine does not start. A death noticed after the step's policy update (in the
+   refit or validation phase) saves that update first, as step t marked incomplete (``"complete": false``
+   in its ``trainer_state.json``, ``faults/incomplete_step`` in its row): a resume refits it into new
+   engines, so nothing the trainer learned is lost;
 3. otherwise starts a new engine in the dead one's bundle and refits the trainer's weights into the group,
    and the drafter's, verified, before it takes a request. The group then generates the dead engine's share
    of the batch again, with the same per-request seeds; the other engines keep theirs.
@@ -28,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from rl_specdec.errors import GenerationEngineDied
 
@@ -40,8 +42,8 @@ HOUR_S = 3600.0
 class EngineRecovery:
     """What a GRPO run does when one of its engines dies (the group's ``on_engine_death``)."""
 
-    def __init__(self, run, checkpoint: Callable[[Any, int, dict[str, Any]], Path | None]):
-        """``checkpoint(run, finished, row)`` saves the last finished step unless it is on disk, and returns its
+    def __init__(self, run, checkpoint: Callable[..., Path | None]):
+        """``checkpoint(run, step, row[, complete])`` saves step ``step`` unless it is on disk, and returns its
         path (None when there is none), as after a stop (``grpo.loop.last_checkpoint``)."""
         self.run, self.checkpoint = run, checkpoint
         self.cfg = run.cfg.policy.generation.engine_restart
@@ -50,15 +52,15 @@ class EngineRecovery:
 
     def __call__(self, group, dead: list[int], error: BaseException) -> None:
         t0 = time.perf_counter()
-        where = self._checkpoint_first()
         what = f"engine(s) {dead} died ({type(error).__name__})"
         if why_not := self._refused():
-            raise GenerationEngineDied(f"{what}; {why_not}. {where}", dead) from error
+            raise GenerationEngineDied(f"{what}; {why_not}. {self._save_for_stop()}", dead) from error
+        where = self._checkpoint_first()
         logger.warning("%s; replacing them. %s", what, where)
         try:
             group.replace_engines(dead)
         except GenerationEngineDied as e:
-            raise GenerationEngineDied(f"{what}, and {e}. {where}", dead) from e
+            raise GenerationEngineDied(f"{what}, and {e}. {self._save_for_stop(where)}", dead) from e
         self.refit(group)
         self.times.append(time.monotonic())
         self.lost_s += time.perf_counter() - t0
@@ -97,6 +99,23 @@ class EngineRecovery:
                 f"(policy.generation.engine_restart.max_per_hour={c.max_per_hour}), so the run stops"
             )
         return None
+
+    def _save_for_stop(self, saved: str = "") -> str:
+        """The run stops: save the newest state the trainer holds, and say where the run can resume. After the
+        step's update (a death noticed in the refit or validation phase) that is the updated step, marked
+        incomplete: its refit or validation had not finished, and a resume refits new engines anyway."""
+        run, updated = self.run, self.run.updated
+        if run.checkpoints is None or run.pipeline is not None or updated is None or updated.step != run.finished + 1:
+            return saved or self._checkpoint_first()
+        run.drafter.after_refit(None, run.timer)  # the drafter's step of this update, finished, not refit
+        row = {**updated.row(), "faults/incomplete_step": 1.0}
+        path = self.checkpoint(run, updated.step, row, False)
+        if path is None:
+            return saved or self._checkpoint_first()
+        return (
+            f"Step {updated.step} was updated but its refit or validation did not finish; the trainer's state "
+            f"after that update is checkpointed at {path}; {run.stop.resume_hint()}"
+        )
 
     def _checkpoint_first(self) -> str:
         """Save the last finished step if the trainer still holds exactly it; say where the run can resume."""

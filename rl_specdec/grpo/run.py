@@ -53,6 +53,8 @@ class GRPORun:
     finished: int = 0  # steps finished and logged
     last_row: dict[str, Any] = field(default_factory=dict)  # the last finished step's metrics
     step_in_progress: bool = False  # the trainer's state has moved past the last finished step's
+    # once the step in progress has updated the policy: what a stop by a fault saves of it (grpo/recovery.py)
+    updated: Any = None
 
     def shutdown(self) -> None:
         """Stop the engines, the policy workers and the drafter, in that order, and close the logger."""

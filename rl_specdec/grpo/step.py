@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -129,6 +130,7 @@ def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
     spec = after_rollouts(run, step, prompt_ids, out)  # may start the drafter's step beside the policy's update
 
     learned = learn(run, group_samples, prompt_ids, out)  # 3-5. rewards, advantages, policy update
+    run.updated = Updated(step + 1, lambda: step_metrics(out, learned, spec, dict(timer.times)))
 
     refit(run)  # 6. the engines' target model gets the new weights
     spec.update(run.drafter.after_refit(run.generation, timer))  # and the drafter, when it trained
@@ -156,6 +158,15 @@ def after_rollouts(run: GRPORun, step: int, prompt_ids: list[list[int]], out: Ge
     spec.update(control_metrics(out.spec_control))  # run-time k: k per bucket, predicted and realised tokens/s
     run.drafter.after_generation(step, prompt_ids, out, run.tokenizer.pad_token_id)  # may overlap the policy's update
     return spec
+
+
+@dataclass
+class Updated:
+    """The step whose policy update the trainer holds before the step is finished, and its row so far: what a
+    fault that stops the run in the refit or validation phase checkpoints (:mod:`rl_specdec.grpo.recovery`)."""
+
+    step: int  # steps done, counting this one
+    row: Any  # () -> the step's metrics so far
 
 
 @dataclass

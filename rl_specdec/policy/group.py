@@ -62,6 +62,19 @@ def threads_and_local_ranks(nodes: list[dict[str, Any]], num_threads: int | None
     ]
 
 
+def death_cause(error: BaseException) -> str:
+    """The likely cause of a worker's death, from Ray's report, in words a user can act on."""
+    from ray.exceptions import OutOfMemoryError
+
+    text = str(error)
+    if isinstance(error, OutOfMemoryError) or "memory monitor" in text:
+        return "Ray's memory monitor killed it, the node being out of memory (a smaller policy.micro_batch_size helps)"
+    return (
+        "its process ended without an error of its own, most often the kernel's OOM killer (`dmesg | grep -i "
+        "'killed process'` shows its record; a smaller policy.micro_batch_size helps), else a signal or a crash"
+    )
+
+
 class PolicyGroup:
     """``policy.num_workers`` data-parallel workers behind :class:`~rl_specdec.policy.interface.PolicyInterface`."""
 
@@ -161,9 +174,10 @@ class PolicyGroup:
             raise errors[min(errors)]
         self.shutdown()  # survivors may be stuck in a collective with the dead
         if dead:
+            logger.debug("Ray's report of the dead policy worker: %s", errors[dead[0]])
             raise PolicyWorkerDied(
-                f"policy worker {', '.join(self._where(r) for r in dead)} died: {errors[dead[0]]}. The policy group "
-                f"({len(ranks)} workers) is stopped; the last checkpoint is intact, continue with resume=true."
+                f"policy worker {', '.join(self._where(r) for r in dead)} died: {death_cause(errors[dead[0]])}. "
+                f"The policy group ({len(ranks)} workers) is stopped; checkpoints on disk are intact."
             ) from errors[dead[0]]
         first = min(errors)
         raise RuntimeError(f"policy worker {self._where(first)} failed: {errors[first]}") from errors[first]
