@@ -268,6 +268,21 @@ def test_a_second_signal_or_the_grace_period_exits_at_once(second_signal):
 
 
 @pytest.mark.integration
+def test_a_driver_killed_outright_leaves_no_process_behind(tmp_path):
+    """SIGKILL to the driver while step 2 trains, as the OOM killer sends it: no handler runs, yet every process
+    the run started (Ray's, the engine's, the policy worker's) is gone within 15 s (rollout/watchdog.py), and the
+    checkpoint on disk is intact. Without the watchdog, Ray's processes outlive the driver by about a minute."""
+    run = grpo(tmp_path, NO_WANDB, "checkpoint.every=1", env={"RL_SPECDEC_TEST_PAUSE": "train:2:30"})
+    run.wait_for(paused(tmp_path))
+    run.signal(signal.SIGKILL)
+    assert run.finish(timeout=30) == -signal.SIGKILL
+    assert len(run.seen) >= 4 and run.leftovers(within_s=15.0) == []
+    from rl_specdec.grpo.checkpoint import verify
+
+    assert verify(tmp_path / "checkpoints" / "step_000001") is None
+
+
+@pytest.mark.integration
 def test_a_full_disk_keeps_the_checkpoints_and_stops_naming_the_folder(tmp_path):
     """The step-4 checkpoint cannot be written (ENOSPC after the policy's files): the half-written folder is
     removed, step 2's is intact, and the run stops (exit 1) naming the folder and its free space."""

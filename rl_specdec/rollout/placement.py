@@ -8,7 +8,9 @@ for their OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), so two engines on a
 2-core machine never fight over the same core.
 
 :func:`init_ray` starts a local Ray instance (or joins ``cluster.address``)
-and notes which processes the local instance starts; :func:`stop_ray` shuts
+and notes which processes the local instance starts, with a watchdog process
+that kills them if the driver dies without stopping them (SIGKILL, the OOM
+killer: :mod:`rl_specdec.rollout.watchdog`); :func:`stop_ray` shuts
 it down and makes sure every one of them is gone; :func:`kill_ray_now` kills
 them for an exit that cannot wait. A cluster that was joined is never shut
 down: only the run's actors (stopped by their groups) are the run's there.
@@ -17,8 +19,10 @@ down: only the run's actors (stopped by their groups) are the run's there.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -28,10 +32,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from rl_specdec.config.generation import ClusterConfig, GenerationConfig
 from rl_specdec.metrics.console import console_level, worker_env
+from rl_specdec.rollout import watchdog
 
 # The local Ray instance init_ray started in this process: this process's descendants from before it
-# ("before"), and every process of the instance seen since ("seen"); None when Ray was joined or not started here.
-_local: dict[str, set[psutil.Process]] | None = None
+# ("before"), every process of the instance seen since ("seen"), and the watchdog that kills them if this
+# process dies without stopping them ("watchdog", rollout/watchdog.py); None when Ray was joined or not started here.
+_local: dict[str, Any] | None = None
 
 
 def init_ray(cluster: ClusterConfig) -> None:
@@ -53,9 +59,11 @@ def init_ray(cluster: ClusterConfig) -> None:
     if cluster.address:
         ray.init(address=cluster.address, **kwargs)
     else:  # "local": never attach to some other job's running cluster by accident
-        before = set(_descendants())
+        if _local is not None:  # a Ray shut down without stop_ray: its watchdog goes with it
+            _local["watchdog"].kill()
+        before, since = set(_descendants()), time.time()
         ray.init(address="local", num_cpus=cluster.num_cpus, **kwargs)
-        _local = {"before": before, "seen": set()}
+        _local = {"before": before, "seen": set(), "watchdog": watchdog.start(os.getpid(), since)}
     for s, handler in handlers.items():
         if callable(handler):
             signal.signal(s, handler)
@@ -71,7 +79,8 @@ def record_ray_processes() -> list[psutil.Process]:
     killed, whose children then leave it). Empty when Ray was joined or started elsewhere."""
     if _local is None:
         return []
-    _local["seen"].update(p for p in _descendants() if p not in _local["before"])
+    mine = {p for p in _descendants() if p not in _local["before"] and p.pid != _local["watchdog"].pid}
+    _local["seen"].update(mine)
     return [p for p in _local["seen"] if p.is_running()]
 
 
@@ -87,6 +96,9 @@ def stop_ray(wait_s: float = 5.0) -> list[str]:
     if _local is None:
         return []
     ray.shutdown()
+    guard = _local.pop("watchdog")
+    guard.kill()  # the driver lives on: what Ray leaves is killed below
+    guard.wait(timeout=5.0)
     _local = None
     _, alive = psutil.wait_procs(procs, timeout=wait_s)
     killed = []
