@@ -153,30 +153,6 @@ def test_one_of_two_engines_dies_and_the_other_keeps_its_share(tmp_path, monkeyp
     assert len(kill.pids) == 3 and not _gone(kill.pids)
 
 
-def test_without_replacement_the_last_finished_step_is_saved_and_resume_goes_on(plain, tmp_path, monkeypatch):
-    """engine_restart.enabled=false: the run stops, but step 2 (not due for a checkpoint) is saved first, the
-    error names it and how to resume, and resume=true ends where the uninterrupted run does."""
-    from rl_specdec.errors import GenerationEngineDied
-
-    KillMidGeneration(monkeypatch, at=2)
-    with pytest.raises(GenerationEngineDied) as e:
-        _train(tmp_path, OFF, "policy.generation.engine_restart.enabled=false")
-    assert "step_000002" in str(e.value) and "resume=true" in str(e.value)
-    assert "engine_restart.enabled=false" in str(e.value)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
-    assert [r["step"] for r in _rows(tmp_path)] == [1, 2]
-
-    monkeypatch.undo()
-    _train(tmp_path, OFF, "resume=true")
-    rows, ref = _rows(tmp_path), _rows(plain)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    for a, b in zip(ref[2:], rows[2:]):
-        assert b["generation/num_tokens"] == a["generation/num_tokens"]
-        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-3, abs=1e-6)
-    wa, wb = _weights(plain), _weights(tmp_path)
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
-
-
 def test_past_the_bound_a_death_at_refit_saves_the_updated_step_and_resume_loses_nothing(plain, tmp_path, monkeypatch):
     """max_restarts=0 and the engine killed in step 3's refit phase, after the policy's update: the run stops,
     and step 3 (updated, not refit, not validated, not due for a checkpoint) is saved first, marked incomplete;
