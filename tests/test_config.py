@@ -25,6 +25,8 @@ def test_every_shipped_config_validates():
             assert spec is None
         else:
             assert spec["num_speculative_tokens"] >= 1
+        if spec and spec["method"] == "eagle3":  # a shipped head follows the policy; frozen is the opt-in
+            assert cfg.policy.generation.drafter_training.enabled, path.name
 
 
 GPU_CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("qwen3_*.yaml"))

@@ -1,10 +1,11 @@
 """EAGLE-3 heads on vLLM's CPU backend: lossless, and a head refit never touches the policy.
 
-Two engines on the toy policy, started once for the module: ``eng_none`` (no
-speculation) and ``eng_head`` (``method: eagle3`` with the toy's head, built
-here, k=3, run-time k on). The head reads the policy's hidden states and shares
-its embedding and LM head inside the engine, so the refit tests check both that
-a new head changes drafting and that the policy's log-probs do not move. With
+Three engines on the toy policy, started once for the module: ``eng_none`` (no
+speculation), ``eng_head`` (``method: eagle3`` with the toy's head, built here,
+k=3, run-time k on) and ``eng_dv`` (that head with its own draft vocabulary).
+The head reads the policy's hidden states and shares its embedding (and, without
+a draft vocabulary, its LM head) inside the engine, so the refit tests check both
+that a new head changes drafting and that the policy's log-probs do not move. With
 run-time k a head's k=0 steps run through vLLM's own path (its first pass keeps
 the head's KV in step), so drafting resumes after a stretch at k=0 with the
 drafts it would have made.
@@ -132,6 +133,56 @@ def test_head_refit_refuses_the_policys_shared_tensors(eng_head, head, task_prom
         with pytest.raises(WeightIntegrityError, match=rf"{name}.*policy's own"):
             eng_head.update_weights(bad, target="drafter")
     assert eng_head.generate(task_prompts, GREEDY).token_ids == hf_reference
+
+
+# ---- a head with its own draft vocabulary ------------------------------------------------------------
+DRAFT_VOCAB = 24  # of the toy's 32 tokens: the ones the policy answers with most, through the head's own LM head
+
+
+@pytest.fixture(scope="module")
+def draft_vocab_head(head, hf_policy, hf_reference, tmp_path_factory):
+    """The toy's head given EAGLE-3's draft vocabulary (its own LM head over 24 tokens, mapped back by d2t)."""
+    import torch
+
+    from rl_specdec.heads.eagle3 import load_head, save_head
+    from rl_specdec.toy.heads import with_draft_vocabulary
+
+    counts = torch.bincount(torch.tensor([t for ids in hf_reference for t in ids]), minlength=32)
+    lm_head = hf_policy.get_output_embeddings().weight.detach()
+    folder = tmp_path_factory.mktemp("draft_vocab_head")
+    save_head(with_draft_vocabulary(load_head(head), counts, DRAFT_VOCAB, lm_head), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def eng_dv(request, local_ray, toy, draft_vocab_head):
+    return module_engine(
+        request, toy, {"method": "eagle3", "model": str(draft_vocab_head), "num_speculative_tokens": 3}
+    )
+
+
+def test_a_draft_vocabulary_head_refit_changes_drafting_and_never_the_policy(
+    eng_dv, draft_vocab_head, task_prompts, hf_policy, hf_reference
+):
+    """The head's own LM head is what vLLM drafts with and what a refit replaces: its rows moved by one draft
+    index send drafts to the wrong tokens, while the policy's greedy tokens and log-probs stay the same."""
+    from rl_specdec.heads.eagle3 import load_head
+
+    sent = load_head(draft_vocab_head).vllm_state_dict()
+    assert sent["lm_head.weight"].shape[0] == DRAFT_VOCAB and "d2t" not in sent
+    out, before = drafted(eng_dv, task_prompts, GREEDY)
+    assert out.token_ids == hf_reference
+    assert before["spec_decode/acceptance_length"] > 1.5, before
+    try:
+        eng_dv.update_weights({**sent, "lm_head.weight": sent["lm_head.weight"].roll(1, 0)}, target="drafter")
+        out, after = drafted(eng_dv, task_prompts, GREEDY)
+        assert out.token_ids == hf_reference
+        assert after["spec_decode/acceptance_length"] < before["spec_decode/acceptance_length"] - 0.3, (before, after)
+        assert worst_logprob_error(eng_dv, task_prompts, hf_policy, seed=13) < 1e-4
+    finally:
+        eng_dv.update_weights(sent, target="drafter")
+    _, restored = drafted(eng_dv, task_prompts, GREEDY)
+    assert restored["spec_decode/acceptance_length"] == before["spec_decode/acceptance_length"]
 
 
 # ---- run-time k with a head ------------------------------------------------------------------------

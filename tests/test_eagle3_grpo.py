@@ -38,12 +38,19 @@ def test_the_head_trains_every_step_and_drafts_losslessly(online):
     assert "eagle3" in settings
 
 
-def test_a_resumed_run_goes_on_with_the_trained_head(online, tmp_path):
-    """The policy's checkpoint holds the head, its optimizer and its schedule: a run resumed from step 2 serves
-    and trains the head of step 2, not the one built at the start."""
+def test_a_resumed_run_serves_and_goes_on_with_the_trained_head(online, tmp_path, monkeypatch, task_prompts):
+    """The policy's checkpoint holds the head, its optimizer and its schedule: a run resumed from step 2 drafts
+    with the head of step 2 from its first rollout, and trains it on, not the one built at the start.
+
+    What the engines draft with is read from the engines: their first drafts (the head's argmax given the true
+    prefix) once the resumed run is set up, against the same engines after the checkpoint's head is sent by
+    hand, and after the head built at the start is (the control: a different head drafts differently here)."""
     import shutil
 
+    from engine_debug import DebugVllmGeneration, first_drafts
+    from rl_specdec.grpo import loop
     from rl_specdec.heads.eagle3 import load_head
+    from rl_specdec.rollout import group
     from rl_specdec.toy.build import build_toy_models
     from rl_specdec.toy.heads import build_head
 
@@ -53,7 +60,32 @@ def test_a_resumed_run_goes_on_with_the_trained_head(online, tmp_path):
     saved = load_head(d / "checkpoints" / "step_000002" / "policy" / "head").vllm_state_dict()
     built = load_head(build_head(build_toy_models(), log=lambda *_: None)).vllm_state_dict()
     assert not torch.equal(saved["fc.weight"], built["fc.weight"])  # it learned in steps 1-2
+
+    drafts = {}
+    real_setup = loop.setup
+
+    def setup_and_read_drafts(cfg):
+        run = real_setup(cfg)
+        g = run.generation
+        drafts["resumed"] = first_drafts(g, task_prompts, 3)[1]
+        for name, sd in (("built", built), ("saved", saved)):  # ends with the checkpoint's head back in place
+            g.update_weights(sd, target="drafter")
+            drafts[name] = first_drafts(g, task_prompts, 3)[1]
+        return run
+
+    import ray
+
+    from conftest import ensure_local_ray
+
+    # the debug RPC that records drafts, in workers that can import it (a Ray already started is joined)
+    ray.shutdown()
+    ensure_local_ray()
+    monkeypatch.setattr(group, "VllmGeneration", DebugVllmGeneration)
+    monkeypatch.setattr(loop, "setup", setup_and_read_drafts)
     _train(d, "grpo.max_steps=3", "resume=true", *HEAD_ONLINE, "logger.wandb.enabled=false")
+    assert sum(len(v) for v in drafts["resumed"].values()) > 50, drafts["resumed"]
+    assert drafts["resumed"] == drafts["saved"], "the resumed engines do not draft with the checkpoint's head"
+    assert drafts["built"] != drafts["saved"]
     rows = _rows(d)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["drafter/version"] == 3, "the resumed head started over instead of continuing from step 2"

@@ -24,7 +24,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "smollm2 base": ("configs/smollm2_base.yaml", []),
     "smollm2 ngram": ("configs/smollm2_spec.yaml", []),
     # its EAGLE-3 head (pkg:smollm2-135m-instruct-eagle3, built at first use), frozen, and trained online
-    "smollm2 eagle3 frozen": ("configs/smollm2_eagle3.yaml", []),
+    "smollm2 eagle3 frozen": ("configs/smollm2_eagle3.yaml", ["policy.generation.drafter_training.enabled=false"]),
     "smollm2 eagle3 online": ("configs/smollm2_eagle3.yaml", ["policy.generation.drafter_training.enabled=true"]),
 }
 
