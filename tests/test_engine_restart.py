@@ -108,21 +108,75 @@ def _gone(pids, wait_s: float = 15.0):
     return [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_a_killed_engine_is_replaced_and_the_run_ends_as_an_uninterrupted_one(plain, tmp_path, monkeypatch):
-    kill = KillMidGeneration(monkeypatch, at=2)
-    last = _train(tmp_path, OFF, "checkpoint.every=2")
-    assert kill.killed is not None
+class Chaos:
+    """SIGKILLs on a schedule of (step index, process, phase), each once, across the run's restarts: an engine
+    while it generates (``engine``), the policy worker as its train step starts (``policy``). Records every
+    engine and policy worker process it saw."""
+
+    def __init__(self, monkeypatch, schedule: list[tuple[int, str]]):
+        from rl_specdec.grpo import loop
+        from rl_specdec.policy.group import PolicyGroup
+        from rl_specdec.rollout.group import VllmGeneration
+
+        self.todo, self.step, self.done = list(schedule), -1, []
+        self.pids: set[int] = set()
+        real_step, real_submit, real_train = loop.grpo_step, VllmGeneration.submit, PolicyGroup.train_step
+
+        def due(kind):
+            if (self.step, kind) in self.todo:
+                self.todo.remove((self.step, kind))
+                self.done.append((self.step, kind))
+                return True
+            return False
+
+        def step(run, i):
+            self.step = i
+            return real_step(run, i)
+
+        def submit(group, prompts, sampling):
+            self.pids.update(p["pid"] for p in group.placements)
+            pending = real_submit(group, prompts, sampling)
+            if due("engine"):
+                os.kill(group.placements[0]["pid"], signal.SIGKILL)
+            return pending
+
+        def train_step(group, batch, loss_fn):
+            self.pids.update(n["pid"] for n in group.nodes)
+            if due("policy"):
+                os.kill(group.nodes[0]["pid"], signal.SIGKILL)
+                psutil.wait_procs([psutil.Process(group.nodes[0]["pid"])], timeout=10)
+            return real_train(group, batch, loss_fn)
+
+        monkeypatch.setattr(loop, "grpo_step", step)
+        monkeypatch.setattr(VllmGeneration, "submit", submit)
+        monkeypatch.setattr(PolicyGroup, "train_step", train_step)
+
+
+def test_processes_killed_through_a_run_that_restarts_itself_and_it_ends_as_an_uninterrupted_one(
+    plain, tmp_path, monkeypatch
+):
+    """The default config, speculation off, one engine replacement allowed and two run restarts: the engine is
+    killed generating step 1 (replaced) and again generating step 2 (past the bound: the run restarts from step
+    1, saved first), then the policy worker at step 3's update (the run restarts from step 2's checkpoint).
+    The run finishes with contiguous steps, the uninterrupted run's rollouts, held-out accuracy and weights,
+    and no process left."""
+    chaos = Chaos(monkeypatch, [(0, "engine"), (1, "engine"), (2, "policy")])
+    last = _train(
+        tmp_path, OFF, "checkpoint.every=2", "policy.generation.engine_restart.max_restarts=1", "run.max_restarts=2"
+    )
+    assert chaos.done == [(0, "engine"), (1, "engine"), (2, "policy")]
     rows, ref = _rows(tmp_path), _rows(plain)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert [r["faults/engine_restarts"] for r in rows] == [0, 0, 1, 1]
-    assert rows[2]["faults/time_lost_s"] > 0 and last["faults/engine_restarts"] == 1
-    for a, b in zip(ref, rows):  # the dead engine's share, generated again from the same seeds, is the same
+    assert [r["faults/run_restarts"] for r in rows] == [0, 1, 2, 2] and last["faults/run_restarts"] == 2
+    assert rows[0]["faults/engine_restarts"] == 1 and rows[0]["faults/time_lost_s"] > 0
+    for a, b in zip(ref, rows):  # every step's rollouts, generated again from the same seeds, are the same
         assert b["generation/num_tokens"] == a["generation/num_tokens"], a["step"]
         assert b["train/reward_mean"] == pytest.approx(a["train/reward_mean"], abs=1e-6)
-        assert b["train/logprob_mismatch_max"] < 1e-3  # the new engine holds the trainer's weights
+        assert b["train/logprob_mismatch_max"] < 1e-3  # the new engines hold the trainer's weights
+    assert rows[3]["val/accuracy"] == ref[3]["val/accuracy"]
     wa, wb = _weights(plain), _weights(tmp_path)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
-    assert len(kill.pids) == 2 and not _gone(kill.pids), "an engine process outlived the run"
+    assert len(chaos.pids) >= 5 and not _gone(chaos.pids), "a process of the run outlived it"
 
 
 def test_one_of_two_engines_dies_and_the_other_keeps_its_share(tmp_path, monkeypatch):

@@ -70,3 +70,71 @@ def test_before_the_update_or_pipelined_the_stop_saves_nothing_new(updated, pipe
     recovery, saved = _recovery(run)
     where = recovery._save_for_stop()
     assert all(step == 2 for step, _, _ in saved) and "step_000002" in where
+
+
+# ---- the run's own restarts (run.max_restarts) -----------------------------------------------------
+
+
+def _attempts(*outcomes):
+    """An attempt that raises each outcome in turn (or returns it, when it is a dict); records its calls."""
+    calls = []
+
+    def attempt(cfg, restarts):
+        calls.append((cfg.resume, restarts))
+        out = outcomes[len(calls) - 1]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    return attempt, calls
+
+
+def _cfg(max_restarts=2, max_per_hour=3):
+    from rl_specdec.config import load_config
+
+    return load_config(None, [f"run.max_restarts={max_restarts}", f"run.max_per_hour={max_per_hour}"])
+
+
+def test_a_dead_process_restarts_the_run_resumed_within_its_bound(monkeypatch):
+    from rl_specdec.errors import GenerationEngineDied, PolicyWorkerDied
+    from rl_specdec.grpo import restarts
+    from rl_specdec.rollout import placement
+
+    monkeypatch.setattr(placement, "stop_ray", lambda: [])
+    attempt, calls = _attempts(PolicyWorkerDied("rank 0 died"), GenerationEngineDied("engine 0 died"), {"ok": 1})
+    assert restarts.train_restarting(_cfg(2), attempt) == {"ok": 1}
+    assert calls == [(False, 0), (True, 1), (True, 2)]  # resumed from the newest checkpoint, counted
+
+    attempt, calls = _attempts(PolicyWorkerDied("a"), PolicyWorkerDied("b"), PolicyWorkerDied("c"))
+    with pytest.raises(PolicyWorkerDied, match="c"):  # past run.max_restarts: the last death ends the run
+        restarts.train_restarting(_cfg(2), attempt)
+    assert len(calls) == 3
+    attempt, calls = _attempts(PolicyWorkerDied("a"), PolicyWorkerDied("b"))
+    with pytest.raises(PolicyWorkerDied, match="b"):
+        restarts.train_restarting(_cfg(5, max_per_hour=1), attempt)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("error", [ValueError("a bug"), KeyboardInterrupt()])
+def test_other_errors_and_the_default_never_restart(monkeypatch, error):
+    from rl_specdec.errors import PolicyWorkerDied
+    from rl_specdec.grpo import restarts
+    from rl_specdec.rollout import placement
+
+    monkeypatch.setattr(placement, "stop_ray", lambda: [])
+    attempt, calls = _attempts(error, {"ok": 1})
+    with pytest.raises(type(error)):
+        restarts.train_restarting(_cfg(2), attempt)
+    attempt, calls = _attempts(PolicyWorkerDied("rank 0 died"), {"ok": 1})
+    with pytest.raises(PolicyWorkerDied):  # run.max_restarts=0, the default
+        restarts.train_restarting(_cfg(0), attempt)
+    assert calls == [(False, 0)]
+
+
+def test_run_restarts_need_checkpoints():
+    from rl_specdec.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"run.max_restarts=2 .*checkpoint.enabled=true"):
+        load_config(None, ["run.max_restarts=2", "checkpoint.enabled=false"])
+    with pytest.raises(ConfigError, match=r"run.max_restarts=-1 must be >= 0"):
+        load_config(None, ["run.max_restarts=-1"])

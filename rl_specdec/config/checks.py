@@ -74,6 +74,7 @@ def validate(cfg: RunConfig) -> None:
             f"checkpoint.on_error={cfg.checkpoint.on_error!r} must be stop (a checkpoint that cannot be written "
             "stops the run) or warn (a warning, and training goes on)"
         )
+    validate_restarts(cfg)
     validate_speculation(gen)
     from rl_specdec.tasks import TASKS
 
@@ -95,6 +96,16 @@ def validate(cfg: RunConfig) -> None:
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def validate_restarts(cfg: RunConfig) -> None:
+    positive("run.max_restarts", cfg.run.max_restarts, allow_zero=True)
+    positive("run.max_per_hour", cfg.run.max_per_hour)
+    if cfg.run.max_restarts and not cfg.checkpoint.enabled:
+        raise ConfigError(
+            f"run.max_restarts={cfg.run.max_restarts} restarts the run from its newest checkpoint, but "
+            "checkpoint.enabled=false writes none: set checkpoint.enabled=true, or run.max_restarts=0"
+        )
 
 
 def validate_off_policy(g: GRPOConfig) -> None:

@@ -104,9 +104,19 @@ class CheckpointConfig:
 
 
 @dataclass
+class RestartConfig:
+    """The run started again from its newest checkpoint, in the same process, after a fatal fault of any process
+    but the driver (rl_specdec.grpo.restarts)."""
+
+    max_restarts: int = 0  # restarts per invocation; 0: a fatal fault ends the run (resume=true goes on by hand)
+    max_per_hour: int = 3  # restarts within any hour; a host that keeps killing the run's processes stops it
+
+
+@dataclass
 class RunConfig:
     seed: int = 0
     resume: bool = False
+    run: RestartConfig = field(default_factory=RestartConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     task: TaskConfig = field(default_factory=TaskConfig)

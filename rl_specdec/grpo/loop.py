@@ -28,6 +28,7 @@ from rl_specdec.config import RunConfig
 from rl_specdec.errors import CheckpointWriteFailed
 from rl_specdec.grpo.pipeline import PipelinedSteps, sequential_resume_note
 from rl_specdec.grpo.recovery import EngineRecovery
+from rl_specdec.grpo.restarts import train_restarting
 from rl_specdec.grpo.run import GRPORun, setup
 from rl_specdec.grpo.step import due, evaluate, grpo_step, sampling_check
 from rl_specdec.grpo.stop import StopSignals
@@ -68,10 +69,17 @@ def train(cfg: RunConfig, progress: bool | None = None, resume_command: str | No
     SIGTERM and SIGINT stop it without losing a finished step (:mod:`rl_specdec.grpo.stop`): it raises
     :class:`~rl_specdec.errors.RunStopped` once that step is checkpointed and logged and the run's processes
     are gone; its line gives ``resume_command`` (the command line that resumes) when the caller passes one.
+    With ``run.max_restarts`` a process that dies restarts the run from its newest checkpoint
+    (:mod:`rl_specdec.grpo.restarts`).
     """
+    show = cfg.logger.progress_bar if progress is None else progress
+    return train_restarting(cfg, lambda c, restarts: _attempt(c, show, resume_command, restarts))
+
+
+def _attempt(cfg: RunConfig, show: bool, resume_command: str | None, restarts: int) -> dict[str, Any]:
+    """One run from set-up to its end (``restarts``: how many times it was restarted before)."""
     from rl_specdec.rollout.placement import record_ray_processes, stop_ray
 
-    show = cfg.logger.progress_bar if progress is None else progress
     with StopSignals(cfg.checkpoint.grace_s, resume_command) as stop:
         try:
             with stop.abandonable():  # a signal while the engines start stops at once: no step to save yet
@@ -81,7 +89,7 @@ def train(cfg: RunConfig, progress: bool | None = None, resume_command: str | No
                 raise
             stop_ray()
             raise stop.stopped(None, None) from None
-        run.stop, stop.checkpoints = stop, run.checkpoints
+        run.stop, stop.checkpoints, run.restarts = stop, run.checkpoints, restarts
         record_ray_processes()
         try:
             run.pipeline = PipelinedSteps(run) if cfg.grpo.max_staleness else None
@@ -153,6 +161,8 @@ def step_and_log(run: GRPORun, step: int) -> dict[str, Any]:
         row.update(run.pipeline.overlap(t0, t0 + row["timing/step"]))
     if run.recovery is not None:  # train() sets it; a loop driven by hand may not
         row.update(run.recovery.metrics())
+    if run.cfg.run.max_restarts:
+        row["faults/run_restarts"] = float(run.restarts)
     run.metrics.log(row, step=step + 1)
     run.finished, run.last_row, run.step_in_progress, run.updated = step + 1, row, False, None
     return row

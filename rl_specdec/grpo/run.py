@@ -55,6 +55,7 @@ class GRPORun:
     step_in_progress: bool = False  # the trainer's state has moved past the last finished step's
     # once the step in progress has updated the policy: what a stop by a fault saves of it (grpo/recovery.py)
     updated: Any = None
+    restarts: int = 0  # times the run restarted itself before this attempt (run.max_restarts)
 
     def shutdown(self) -> None:
         """Stop the engines, the policy workers and the drafter, in that order, and close the logger."""
