@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 HOUR_S = 3600.0
 
 
+def within_hour(times: list[float], now: float) -> list[float]:
+    """The times (time.monotonic) in ``times`` less than an hour before ``now``: what a per-hour bound counts."""
+    return [t for t in times if now - t < HOUR_S]
+
+
 class EngineRecovery:
     """What a GRPO run does when one of its engines dies (the group's ``on_engine_death``)."""
 
@@ -92,7 +97,7 @@ class EngineRecovery:
                 f"{len(self.times)} engines were replaced already (policy.generation.engine_restart.max_restarts="
                 f"{c.max_restarts}), so the run stops"
             )
-        recent = [t for t in self.times if time.monotonic() - t < HOUR_S]
+        recent = within_hour(self.times, time.monotonic())
         if len(recent) >= c.max_per_hour:
             return (
                 f"{len(recent)} engines were replaced within the last hour "

@@ -29,10 +29,9 @@ from typing import Any, Callable
 
 from rl_specdec.config import RunConfig
 from rl_specdec.errors import GenerationEngineDied, PolicyWorkerDied
+from rl_specdec.grpo.recovery import within_hour
 
 logger = logging.getLogger(__name__)
-
-HOUR_S = 3600.0
 
 
 def restartable() -> tuple[type[BaseException], ...]:
@@ -47,7 +46,7 @@ def refused(cfg: RunConfig, times: list[float], now: float) -> str | None:
     c = cfg.run
     if len(times) >= c.max_restarts:
         return f"run.max_restarts={c.max_restarts} restart(s) done" if times else "run.max_restarts=0"
-    recent = [t for t in times if now - t < HOUR_S]
+    recent = within_hour(times, now)
     if len(recent) >= c.max_per_hour:
         return f"{len(recent)} restarts within the last hour (run.max_per_hour={c.max_per_hour})"
     return None
