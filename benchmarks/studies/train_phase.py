@@ -1,25 +1,29 @@
-"""The train phase before and after scoring only what the loss reads, on the toy, the wide pair and the real model.
+"""The train phase as the trainer's work was cut, on the toy, the wide pair and the real model.
 
-``before`` is the trainer as it was: the LM head and a float32 log-softmax over the whole vocabulary at every
-position (``rl_specdec.policy.scoring``'s reference path) and micro-batches cut in even slices of the sorted
-rows. ``after`` is the shipped trainer: the LM head only at the response tokens, in chunks, and micro-batches
-cut where the padding is least (``rl_specdec.policy.worker.balanced_split``). Both workers start from the same
-weights and take the same batches, interleaved step by step (who goes first alternates), after one warm-up
-step each; the reference model is kept as the configs keep it (``grpo.log_kl``).
+Four workers start from the same weights and take the same batches, interleaved step by step (who goes first
+alternates), after one warm-up step each:
+
+* ``before``: the trainer as it was: the LM head and a float32 log-softmax over the whole vocabulary at every
+  position (``rl_specdec.policy.scoring``'s reference path), micro-batches in even slices of the sorted rows;
+* ``scored``: the LM head only at the response tokens, in chunks, and micro-batches cut where the padding is
+  least (``rl_specdec.policy.worker.balanced_split``), every row whole (``policy.share_prefix=false``);
+* ``shared``: as shipped, each prompt computed once for its group's rows (``rl_specdec.policy.prefix``);
+* ``shared, no reference``: without the frozen reference whose forward only logs ``train/kl`` at
+  ``kl_coef: 0`` (``grpo.log_kl=false``, as the real model's configs set it).
 
 The batches have each workload's shape, with random token ids (the cost does not depend on which tokens):
 
 * ``toy``: the default run's, 64 sorting prompts x 8 (train_step.py's batch), micro-batch 64;
-* ``wide``: the wide workload's trained rollouts, 24 of them, prompts of 10-20 tokens, responses long-tailed
+* ``wide``: the wide workload's trained rollouts, 3 groups of 8, prompts of 10-20 tokens, responses long-tailed
   (median 22, mean ~40, up to 250: its GRPO logs' shape), micro-batch 8;
 * ``smollm2``: the real model's, 8 chat prompts x 8 (74 +-6 prompt tokens, 10-30 response tokens), micro 8.
 
-``--memory`` instead measures one micro-batch's forward and backward in a fresh process per variant: the
-peak resident memory above what the process held before it (``VmHWM`` after resetting it, Linux only),
+``--memory`` instead measures one micro-batch's forward and backward in a fresh process, ``before`` and
+``scored``: the peak resident memory above what the process held before it (``VmHWM`` after resetting it, Linux only),
 including ``qwen3-vocab``: a 2-layer body with Qwen3's 151,936-token vocabulary, 4 sequences of 1,100 tokens
 (76 prompt, 1,024 response)::
 
-    python -m benchmarks.studies.train_phase --workloads toy,wide,smollm2 --seeds 0,1 --steps 4
+    python -m benchmarks.studies.train_phase --workloads toy,wide,smollm2 --seeds 0,1 --steps 1
     python -m benchmarks.studies.train_phase --memory --workloads smollm2,qwen3-vocab
 """
 
@@ -91,26 +95,38 @@ def make_batch(workload: str, seed: int, vocab: int) -> dict[str, torch.Tensor]:
     def ints(lo: int, hi: int, n: int) -> list[int]:
         return torch.randint(lo, hi, (n,), generator=g).tolist()
 
-    if workload == "wide":
-        prompts = ints(10, 21, 24)
+    if workload == "wide":  # 3 groups of 8 kept of 4 prompts
+        prompts = [p for p in ints(10, 21, 3) for _ in range(8)]
         responses = [min(250, max(4, int(22 * float(torch.randn(1, generator=g).mul(1.1).exp())))) for _ in prompts]
-    elif workload == "smollm2":
-        prompts = [74 + d for d in ints(-6, 7, 64)]
+    elif workload == "smollm2":  # 8 prompts x 8
+        prompts = [74 + d for d in ints(-6, 7, 8) for _ in range(8)]
         responses = ints(10, 31, 64)
     else:
         prompts, responses = [76] * 4, [1024] * 4
-    trajs = [
-        Trajectory.single_turn(ints(2, vocab, p), ints(2, vocab, r), [-1.0] * r) for p, r in zip(prompts, responses)
-    ]
+    trajs, prompt = [], None
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        if i % 8 == 0:  # a new group of 8: its own prompt
+            prompt = ints(2, vocab, p)
+        trajs.append(Trajectory.single_turn(prompt, ints(2, vocab, r), [-1.0] * r))
     return build_train_batch(trajs, torch.randn(len(trajs), generator=g), 0)
+
+
+# name: (the trainer as it was before scoring only the response, each prompt computed once per group, the
+# frozen reference kept for train/kl)
+VARIANTS = {
+    "before": (True, False, True),
+    "scored": (False, False, True),
+    "shared": (False, True, True),
+    "shared, no reference": (False, True, False),
+}
 
 
 @contextlib.contextmanager
 def variant(name: str):
-    """``before``: the whole vocabulary at every position, even slices; ``after``: as shipped."""
+    """``before``: the whole vocabulary at every position, even slices; the others: as shipped."""
     from rl_specdec.policy import scoring, worker
 
-    if name == "after":
+    if not VARIANTS[name][0]:
         yield
         return
     head, split = scoring.output_head, worker.balanced_split
@@ -126,14 +142,19 @@ def variant(name: str):
         scoring.output_head, worker.balanced_split = head, split
 
 
-def start(workload: str, precision: str = "fp32"):
+def start(workload: str, precision: str = "fp32", name: str = "shared"):
     from rl_specdec.config import PolicyConfig
     from rl_specdec.policy import PolicyWorker
 
+    _, share, reference = VARIANTS[name]
     cfg = PolicyConfig(
-        model_name=model_path(workload), device="cpu", precision="fp32", micro_batch_size=MICRO[workload]
+        model_name=model_path(workload),
+        device="cpu",
+        precision=precision,
+        micro_batch_size=MICRO[workload],
+        share_prefix=share,
     )
-    w = PolicyWorker(cfg, keep_reference=True, seed=0)
+    w = PolicyWorker(cfg, keep_reference=reference, seed=0)
     w.start()
     return w
 
@@ -142,8 +163,9 @@ def time_steps(workload: str, seeds: list[int], steps: int, precision: str) -> N
     from rl_specdec.grpo import ClippedPGLoss
 
     loss_fn = ClippedPGLoss(0.2, kl_coef=0.0)
-    workers = {v: start(workload, precision) for v in ("before", "after")}
-    vocab = workers["after"].model.config.vocab_size
+    names = list(VARIANTS)
+    workers = {v: start(workload, precision, v) for v in names}
+    vocab = workers["shared"].model.config.vocab_size
     for v, w in workers.items():
         with variant(v):
             w.train_step(make_batch(workload, 10**6, vocab), loss_fn)  # warm-up
@@ -151,20 +173,19 @@ def time_steps(workload: str, seeds: list[int], steps: int, precision: str) -> N
     for seed in seeds:
         for i in range(steps):
             batch = make_batch(workload, seed * 1000 + i, vocab)
-            for v in ("before", "after") if i % 2 == 0 else ("after", "before"):
+            for v in names if i % 2 == 0 else names[::-1]:  # who goes first alternates
                 with variant(v):
                     times[v].append(workers[v].train_step(batch, loss_fn)["step_time_s"])
-    before, after = statistics.median(times["before"]), statistics.median(times["after"])
-    per_seed = [
-        statistics.median(times["before"][k * steps : (k + 1) * steps])
-        / statistics.median(times["after"][k * steps : (k + 1) * steps])
-        for k in range(len(seeds))
-    ]
-    print(
-        f"| {workload} | {before:.2f} | {after:.2f} | **{before / after:.2f}x** | "
-        f"{', '.join(f'{r:.2f}x' for r in per_seed)} |",
-        flush=True,
-    )
+    med = {v: statistics.median(times[v]) for v in names}
+
+    def per_seed(v: str) -> str:
+        def seed_median(name: str, k: int) -> float:
+            return statistics.median(times[name][k * steps : (k + 1) * steps])
+
+        return ", ".join(f"{seed_median('before', k) / seed_median(v, k):.2f}x" for k in range(len(seeds)))
+
+    cells = " | ".join(f"{med[v]:.2f} ({med['before'] / med[v]:.2f}x)" for v in names)
+    print(f"| {workload} | {cells} | {per_seed(names[-1])} |", flush=True)
 
 
 def peak_of_one_pass(workload: str, name: str) -> None:
@@ -176,7 +197,7 @@ def peak_of_one_pass(workload: str, name: str) -> None:
 
     w = start(workload)
     batch = make_batch(workload, 0, w.model.config.vocab_size)
-    mb = next(iter(w._micro_batches(batch)))[1]
+    mb = next(iter(w._micro_batches(batch, w._layout(batch))))[1]
     loss_fn = ClippedPGLoss(0.2, kl_coef=0.0)
 
     def one_pass() -> None:
@@ -206,7 +227,7 @@ def memory(workloads: list[str]) -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
     for wl in workloads:
         peaks = {}
-        for v in ("before", "after"):
+        for v in ("before", "scored"):
             out = subprocess.run(
                 [sys.executable, "-m", "benchmarks.studies.train_phase", "--one-pass", wl, v],
                 cwd=ROOT,
@@ -218,8 +239,8 @@ def memory(workloads: list[str]) -> None:
             peaks[v] = float(out.strip().splitlines()[-1])
         shape = "4 x 1,100" if wl == "qwen3-vocab" else f"{MICRO[wl]} x its longest"
         print(
-            f"| {wl} | {shape} | {peaks['before']:.2f} | {peaks['after']:.2f} | "
-            f"{peaks['before'] / peaks['after']:.1f}x |"
+            f"| {wl} | {shape} | {peaks['before']:.2f} | {peaks['scored']:.2f} | "
+            f"{peaks['before'] / peaks['scored']:.1f}x |"
         )
 
 
@@ -245,8 +266,8 @@ def main(argv=None) -> None:
         return memory(workloads)
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"train_step, median over {args.steps} steps x {len(seeds)} seeds, {args.precision}")
-    print("| workload | before, s | after, s | speed-up | per seed |")
-    print("|---|---|---|---|---|")
+    print("| workload | " + " | ".join(f"{v}, s (speed-up)" for v in VARIANTS) + f" | {list(VARIANTS)[-1]}, per seed |")
+    print("|---" * (len(VARIANTS) + 2) + "|")
     for wl in workloads:
         time_steps(wl, seeds, args.steps, args.precision)
 

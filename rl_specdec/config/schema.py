@@ -21,6 +21,9 @@ class PolicyConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch_size: int = 64  # sequences per forward/backward (per worker); gradients accumulate to one step
+    # one worker: each prompt's tokens computed once for the rows that share it, in the train step
+    # (rl_specdec/policy/prefix.py); false: every row whole (the same numbers to float32 rounding)
+    share_prefix: bool = True
     num_threads: Optional[int] = (
         None  # torch threads per worker on CPU (default: the host's cores shared by its workers)
     )

@@ -48,6 +48,7 @@ def token_logprobs_and_entropy(
     compute=precision.plain,
     features: Callable | None = None,
     scored: torch.Tensor | None = None,
+    past: tuple | None = None,
 ):
     """Log-prob of each scored next token [N, T-1] (and the policy's entropy there, no grad); 0 elsewhere.
 
@@ -56,13 +57,19 @@ def token_logprobs_and_entropy(
     bf16-mixed); the log-softmax is always float32, whatever dtype the logits come in.
     ``features(hidden_states, target)``, if given, sees the forward's hidden states and the log-probs of the
     whole vocabulary at the scored positions, ``[R, V]`` in row-major order of ``scored`` (a head learns
-    from them).
+    from them). ``past``: (key/value cache [N, ..., P, ...], its mask [N, P], each row's cached length [N]):
+    the rows continue cached prefixes (:mod:`rl_specdec.policy.prefix`).
     """
     scored = (attention_mask[:, 1:] if scored is None else scored) > 0  # [N, T-1]
     head = output_head(model)
     more = {"output_hidden_states": True} if features is not None else {}  # only models that feed a head get it
+    model_mask = attention_mask
+    if past is not None:  # position ids go on from each row's own prefix; the prefix's padding stays masked
+        cache, prefix_mask, prefix_len = past
+        model_mask = torch.cat([prefix_mask, attention_mask], 1)  # [N, P+T]
+        more.update(past_key_values=cache, position_ids=prefix_len[:, None] + torch.arange(input_ids.shape[1]))
     if head is None:
-        return _whole_vocabulary(model, input_ids, attention_mask, with_entropy, compute, features, scored, more)
+        return _whole_vocabulary(model, input_ids, model_mask, with_entropy, compute, features, scored, more)
     targets = input_ids[:, 1:][scored]  # [R]
     side: dict[str, torch.Tensor | None] = {}
 
@@ -74,7 +81,7 @@ def token_logprobs_and_entropy(
         return logp
 
     with _forward_replaced(head, score), compute(input_ids.shape[1]):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, **more)
+        out = model(input_ids=input_ids, attention_mask=model_mask, **more)
     if features is not None:
         features(out.hidden_states, side["target"])
     logp = out.logits.new_zeros(scored.shape)  # [N, T-1]

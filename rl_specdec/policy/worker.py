@@ -32,10 +32,16 @@ from rl_specdec.policy.distributed import (
     wrap_for_training,
 )
 from rl_specdec.policy.interface import LossFn
-from rl_specdec.policy.scoring import token_logprobs_and_entropy
+from rl_specdec.policy.prefix import find_prefixes, group_order, score_shared, shared_tokens
+from rl_specdec.policy.scoring import output_head, token_logprobs_and_entropy
 
 if TYPE_CHECKING:
     from rl_specdec.config import PolicyConfig
+
+
+# A batch's prompts are computed once per group where that leaves at most this share of the tokens sorted rows
+# pad to: the shared path runs two forwards a micro-batch and pads in groups (benchmarks/studies/train_phase.py).
+SHARE_PAYS = 0.75
 
 
 class PolicyWorker:
@@ -161,24 +167,37 @@ class PolicyWorker:
             self.ref = shard_frozen(ref, cfg.strategy, self.device)
         self.opt = make_optimizer(self.model.parameters())
 
-    def _micro_batches(self, batch: dict[str, torch.Tensor], keep_order: bool = False):
-        """Length-sorted micro-batches, each trimmed to its own longest sequence.
+    def _layout(self, batch: dict[str, torch.Tensor], keep_order: bool = False, share: bool = False):
+        """(row order [N], micro-batch bounds, whether each prompt is computed once for its rows).
 
-        Sorting cuts the padding the model computes on (the batch is padded to its longest rollout, the
-        micro-batches only to theirs), and :func:`balanced_split` cuts the sorted rows where the padded
-        tokens add up least, never past the tokens a full micro-batch of the longest rows holds. The
-        count of micro-batches stays ``ceil(N / micro_batch_size)``: data-parallel workers run as many
-        forwards each. The loss is normalised by the whole batch's token count, so order does not matter
-        for training; ``keep_order`` keeps input order in even slices for log-prob outputs.
-        Yields (indices, micro_batch).
+        Sorting by length cuts the padding the model computes on (the batch is padded to its longest rollout,
+        the micro-batches only to theirs), and :func:`balanced_split` cuts the sorted rows where the padded
+        tokens add up least, never past the tokens a full micro-batch of the longest rows holds. The count of
+        micro-batches stays ``ceil(N / micro_batch_size)``: data-parallel workers run as many forwards each.
+        ``share`` keeps each prompt's rows together instead (:func:`rl_specdec.policy.prefix.group_order`), in
+        even slices, where that computes at most ``SHARE_PAYS`` of the tokens (short prompts and long-tailed
+        responses pad more in groups than sorted). ``keep_order`` keeps input order in even slices (log-probs).
         """
         lengths = batch["attention_mask"].sum(1)  # [N]
         n, size = lengths.shape[0], self.config.micro_batch_size
+        even = list(range(0, n, size)) + [n]
         if keep_order:
-            order, bounds = torch.arange(n), list(range(0, n, size)) + [n]
-        else:
-            order = torch.argsort(lengths, descending=True, stable=True)
-            bounds = balanced_split(lengths[order].tolist(), math.ceil(n / size), size * int(lengths.max()))
+            return torch.arange(n), even, False
+        order = torch.argsort(lengths, descending=True, stable=True)
+        bounds = balanced_split(lengths[order].tolist(), math.ceil(n / size), size * int(lengths.max()))
+        if share:
+            grouped = group_order(batch["input_ids"], batch["loss_mask"], lengths)
+            plain = sum((b - a) * int(lengths[order[a]]) for a, b in zip(bounds[:-1], bounds[1:]))
+            if shared_tokens(batch["input_ids"], batch["loss_mask"], lengths, grouped, even) <= SHARE_PAYS * plain:
+                return grouped, even, True
+        return order, bounds, False
+
+    def _micro_batches(self, batch: dict[str, torch.Tensor], layout: tuple):
+        """The micro-batches of a :meth:`_layout`, each trimmed to its own longest sequence. The loss is
+        normalised by the whole batch's token count, so order does not matter for training.
+        Yields (indices, micro_batch)."""
+        lengths = batch["attention_mask"].sum(1)  # [N]
+        order, bounds, _ = layout
         for a, b in zip(bounds[:-1], bounds[1:]):
             idx = order[a:b]
             t = int(lengths[idx].max())
@@ -195,7 +214,7 @@ class PolicyWorker:
         self.model.eval()
         n, t = batch["input_ids"].shape
         out = torch.zeros(n, t - 1)  # [N, T-1]
-        for idx, mb in self._micro_batches(batch, keep_order=True):
+        for idx, mb in self._micro_batches(batch, self._layout(batch, keep_order=True)):
             lp = token_logprobs_and_entropy(self.model, mb["input_ids"], mb["attention_mask"], compute=self.compute)[0]
             out[idx, : lp.shape[1]] = lp.cpu()  # every real token scored; 0 where t+1 is padding
         self.model.train()
@@ -218,18 +237,17 @@ class PolicyWorker:
         head_on = self.head is not None and self.head.due()
         if head_on:
             self.head.begin(self.model)
-        for i, (_, mb) in enumerate(self._micro_batches(batch)):
+        # a head learns from every position's hidden states; DDP and FSDP2 expect one forward per backward
+        layout = self._layout(batch, share=self.config.share_prefix and self.world_size == 1 and not head_on)
+        share = layout[2]
+        for i, (_, mb) in enumerate(self._micro_batches(batch, layout)):
             with grad_sync(self.train_model, enabled=i == last):
                 learn = functools.partial(self.head.learn, mb=mb) if head_on else None
-                # only the response tokens are scored: the loss reads nothing else
-                score = functools.partial(token_logprobs_and_entropy, compute=self.compute, scored=mb["loss_mask"])
-                logp, entropy = score(
-                    self.train_model, mb["input_ids"], mb["attention_mask"], with_entropy=True, features=learn
-                )
+                logp, entropy = self._score(self.train_model, mb, share, with_entropy=True, features=learn)
                 ref_logp = None
                 if self.ref is not None:
                     with torch.no_grad():
-                        ref_logp, _ = score(self.ref, mb["input_ids"], mb["attention_mask"])
+                        ref_logp, _ = self._score(self.ref, mb, share)
                 loss, metrics = loss_fn(logp, mb, ref_logp)
                 loss.backward()
             sums["entropy"] += float((entropy * mb["loss_mask"]).sum())
@@ -249,6 +267,17 @@ class PolicyWorker:
         out["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         out["step_time_s"] = time.time() - t0
         return out
+
+    def _score(self, model, mb: dict[str, torch.Tensor], share: bool, with_entropy: bool = False, features=None):
+        """Log-probs (and entropy) [n, T-1] of the response tokens only: the loss reads nothing else. With
+        ``share``, each prompt's tokens are computed once for the rows that share it (rl_specdec.policy.prefix)."""
+        scored = mb["loss_mask"] > 0  # [n, T-1]
+        prefixes = find_prefixes(mb["input_ids"], scored) if share and output_head(model) is not None else None
+        if prefixes is None:
+            return token_logprobs_and_entropy(
+                model, mb["input_ids"], mb["attention_mask"], with_entropy, self.compute, features, scored
+            )
+        return score_shared(model, mb["input_ids"], mb["attention_mask"], scored, prefixes, with_entropy, self.compute)
 
     def state_dict_for_refit(self) -> dict[str, torch.Tensor] | None:
         """The whole Hugging Face-named state dict, CPU tensors in the engines' dtype (rank 0; None elsewhere)."""
