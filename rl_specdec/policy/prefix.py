@@ -17,7 +17,8 @@ prompt G times. :func:`score_shared` instead
 On SmolLM2's chat task a row is ~74 prompt and ~20 response tokens: a group of 8 rows is 752 tokens scored
 one by one, 73 + 8 x 21 = 241 this way. The numbers are the same to float32 rounding, gradients included
 (``tests/test_prefix.py``). Only the last token of the prefix onward carries hidden states, so a head that
-learns from every position's hidden states (``features``) is scored the plain way.
+learns from every position's hidden states (``features``) is scored the plain way, and so is a model in a
+process group: DDP and FSDP2 expect one forward per backward.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def find_prefixes(input_ids: torch.Tensor, scored: torch.Tensor) -> Prefixes | N
     for key, u in keys.items():
         ids[u, : len(key)] = torch.tensor(key, dtype=ids.dtype)
         mask[u, : len(key)] = 1
-    return Prefixes(starts, torch.tensor(which), ids, mask)
+    return Prefixes(starts, torch.tensor(which, device=input_ids.device), ids, mask)
 
 
 def group_order(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -102,8 +103,9 @@ def score_shared(
     lengths = attention_mask.sum(1)  # [N]
     rest = lengths - prefixes.starts  # [N] tokens from the first scored position on
     s = int(rest.max())
-    cols = prefixes.starts[:, None] + torch.arange(s)[None, :]  # [N, S] where each suffix token sits in its row
-    real = torch.arange(s)[None, :] < rest[:, None]  # [N, S]
+    steps = torch.arange(s, device=input_ids.device)  # [S]
+    cols = prefixes.starts[:, None] + steps[None, :]  # [N, S] where each suffix token sits in its row
+    real = steps[None, :] < rest[:, None]  # [N, S]
     cols = torch.where(real, cols, 0)
     suffix_ids = torch.where(real, input_ids.gather(1, cols), 0)  # [N, S]
     scored_t = torch.cat([scored, torch.zeros_like(scored[:, :1])], 1)  # [N, T]: position T-1 scores nothing

@@ -67,7 +67,8 @@ def token_logprobs_and_entropy(
     if past is not None:  # position ids go on from each row's own prefix; the prefix's padding stays masked
         cache, prefix_mask, prefix_len = past
         model_mask = torch.cat([prefix_mask, attention_mask], 1)  # [N, P+T]
-        more.update(past_key_values=cache, position_ids=prefix_len[:, None] + torch.arange(input_ids.shape[1]))
+        steps = torch.arange(input_ids.shape[1], device=input_ids.device)  # [T]
+        more.update(past_key_values=cache, position_ids=prefix_len[:, None] + steps[None, :])
     if head is None:
         return _whole_vocabulary(model, input_ids, model_mask, with_entropy, compute, features, scored, more)
     targets = input_ids[:, 1:][scored]  # [R]

@@ -237,8 +237,9 @@ class PolicyWorker:
         head_on = self.head is not None and self.head.due()
         if head_on:
             self.head.begin(self.model)
-        # a head learns from every position's hidden states; DDP and FSDP2 expect one forward per backward
-        layout = self._layout(batch, share=self.config.share_prefix and self.world_size == 1 and not head_on)
+        # a head learns from every position's hidden states; DDP and FSDP2 (even one FSDP2 worker) expect one
+        # forward per backward
+        layout = self._layout(batch, share=self.config.share_prefix and not dist.is_initialized() and not head_on)
         share = layout[2]
         for i, (_, mb) in enumerate(self._micro_batches(batch, layout)):
             with grad_sync(self.train_model, enabled=i == last):
