@@ -39,15 +39,20 @@ class Prefixes:
     mask: torch.Tensor  # [U, P]
 
 
+def prefix_keys(input_ids: torch.Tensor, scored: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
+    """Each row's first scored position [N] (argmax: the first maximum) and its unscored prefix as a key."""
+    starts = (scored > 0).float().argmax(1)  # [N]
+    return starts, [tuple(row[:s].tolist()) for row, s in zip(input_ids, starts.tolist())]
+
+
 def find_prefixes(input_ids: torch.Tensor, scored: torch.Tensor) -> Prefixes | None:
     """The rows' unscored prefixes, deduplicated; None when no two rows share one (nothing to gain) or a row
     scores nothing or starts scoring at its first position (nothing to cache)."""
-    any_scored = scored.any(1)  # [N]
-    starts = scored.float().argmax(1)  # [N] the first scored position (argmax: the first maximum)
-    if not bool(any_scored.all()) or int(starts.min()) < 1:
+    starts, row_keys = prefix_keys(input_ids, scored)
+    if not bool(scored.any(1).all()) or int(starts.min()) < 1:
         return None
     keys: dict[tuple[int, ...], int] = {}
-    which = [keys.setdefault(tuple(row[:s].tolist()), len(keys)) for row, s in zip(input_ids, starts.tolist())]
+    which = [keys.setdefault(key, len(keys)) for key in row_keys]
     if len(keys) == len(which):
         return None
     p = max(len(k) for k in keys)
@@ -62,8 +67,7 @@ def find_prefixes(input_ids: torch.Tensor, scored: torch.Tensor) -> Prefixes | N
 def group_order(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Row order [N] that keeps rows of one prefix together (so a micro-batch holds whole groups), groups
     longest first and rows in a group longest first."""
-    starts = (loss_mask > 0).float().argmax(1).tolist()  # [N]
-    key_of = [tuple(row[:s].tolist()) for row, s in zip(input_ids, starts)]
+    key_of = prefix_keys(input_ids, loss_mask)[1]
     longest: dict[tuple[int, ...], int] = {}
     for key, n in zip(key_of, lengths.tolist()):
         longest[key] = max(longest.get(key, 0), n)
@@ -76,11 +80,11 @@ def shared_tokens(input_ids, loss_mask, lengths, order: torch.Tensor, bounds: li
     """Tokens the body computes on when rows in ``order`` are cut at ``bounds`` and each micro-batch's prompts
     are computed once: per micro-batch, its distinct prefixes padded to the longest, and every row from its
     first scored position on, padded to the longest such rest."""
-    starts = (loss_mask > 0).float().argmax(1)  # [N]
+    starts, key_of = prefix_keys(input_ids, loss_mask)
     total = 0
     for a, b in zip(bounds[:-1], bounds[1:]):
         idx = order[a:b]
-        keys = {tuple(input_ids[i, : int(starts[i])].tolist()) for i in idx.tolist()}
+        keys = {key_of[i] for i in idx.tolist()}
         total += len(keys) * int(starts[idx].max()) + len(idx) * int((lengths[idx] - starts[idx]).max())
     return total
 
