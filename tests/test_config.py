@@ -296,7 +296,7 @@ def test_defaults_inheritance_and_interpolation(tmp_path):
                 "policy.generation.vllm_kwargs.speculative_config.model=null",
                 "policy.generation.vllm_kwargs.speculative_config.draft_sample_method=null",
             ],
-            "draft_model and eagle3 only",
+            "mode=adaptive with speculative_config.method='ngram'",
         ),
         (
             ["policy.generation.speculation_control.mode=fixed", "policy.generation.vllm_kwargs.async_scheduling=true"],

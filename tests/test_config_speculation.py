@@ -103,5 +103,18 @@ def test_eagle3_runs_run_time_k_with_k0_through_vllms_path():
     assert load_config(SPEC).policy.generation.speculation_control.k0_fast_path is True
     with pytest.raises(ConfigError, match=rf"{c}.k0_fast_path=true with method eagle3.*k0_fast_path=false"):
         load_config(SPEC, [*head, f"{c}.mode=fixed", f"{c}.k0_fast_path=true"])
-    with pytest.raises(ConfigError, match=r"run-time k is built for draft_model and eagle3 only"):
-        load_config(SPEC, [f"{s}.method=ngram", f"{s}.model=null", f"{c}.mode=fixed"])
+
+
+def test_ngram_runs_a_schedule_through_run_time_k_with_its_k0_steps_plain_and_not_the_controller():
+    """ngram keeps no drafter state, so its k=0 steps take the fast path; ``auto`` leaves it to vLLM, and the
+    controller (built for drafters) is refused with the mode that runs it."""
+    s, c = "policy.generation.vllm_kwargs.speculative_config", "policy.generation.speculation_control"
+    ngram = [f"{s}.method=ngram", f"{s}.model=null"]
+    ctl = load_config(SPEC, [*ngram, f"{c}.mode=fixed"]).policy.generation.speculation_control
+    assert (ctl.mode, ctl.k0_fast_path) == ("fixed", True)
+    assert load_config(SPEC, ngram).policy.generation.speculation_control.mode == "off"
+    with pytest.raises(ConfigError, match=rf"{c}.mode=adaptive with .*method='ngram'.*{c}.mode=fixed"):
+        load_config(SPEC, [*ngram, f"{c}.mode=adaptive"])
+    real = load_config(ROOT / "configs/smollm2_spec.yaml").policy.generation
+    assert (real.speculation_control.mode, real.speculation_control.k0_fast_path) == ("fixed", True)
+    assert real.speculation.schedule[0][2] == 0  # no drafting at one request: it measured slower there

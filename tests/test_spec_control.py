@@ -6,7 +6,9 @@ Engines (module-scoped):
 * ``eng_fixed``     draft_model, speculation_control ``fixed`` (k settable, k=0 fast path), k_max 3;
 * ``eng_adaptive``  the same with the adaptive controller (k_max 4, exploring a lot);
 * ``eng_async``     ``fixed`` on the async engine (engine core in another process);
-* ``eng_threshold`` ``fixed`` with ``draft_below=8`` (a concurrency threshold, as the default config).
+* ``eng_threshold`` ``fixed`` with ``draft_below=8`` (a concurrency threshold, as the default config);
+* ``eng_ngram``     ngram, ``fixed`` with a batch-size schedule (``NGRAM_SCHEDULED``), as the real model's
+  shipped config runs it: k=0 steps take the fast path with nothing to catch up.
 
 Every engine with run-time k passed the start-up self-check to get here.
 Lossless is checked three ways while k changes between calls and within
@@ -18,7 +20,17 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import DIST_PROMPT, dist_samples, draft_spec, module_engine, position_test
+from conftest import (
+    DIST_PROMPT,
+    DIST_SAMPLES,
+    DIST_TOKENS,
+    NGRAM,
+    dist_samples,
+    draft_spec,
+    hf_token_logprobs,
+    module_engine,
+    position_test,
+)
 from engine_debug import (
     CYCLE,
     DebugAsyncVllmGeneration,
@@ -74,6 +86,17 @@ def eng_threshold(request, local_ray, toy):
         control={"mode": "fixed", "draft_below": 8},
         group_cls=DebugVllmGeneration,
     )
+
+
+# k=0 while more than 8 requests run, 1 at 5-8, 3 at 1-4: a call that starts above 8 and ends in its tail switches
+# k within the call, per step, as the batch shrinks
+NGRAM_SCHEDULED = {**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 8, 1], [9, 1024, 0]]}
+SCHED_CALL = 8  # requests a call of the distribution test: k=1 at the start, k=3 once half of them are done
+
+
+@pytest.fixture(scope="module")
+def eng_ngram(request, local_ray, toy):
+    return module_engine(request, toy, NGRAM_SCHEDULED, control={"mode": "fixed"})
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +290,43 @@ def test_the_canary_disable_path_makes_the_next_call_draft_nothing(eng_adaptive,
     (report,) = out.spec_control
     assert report["plain_steps"] == report["steps"] > 0 and report["explore_steps"] == 0
     assert [k for _, _, k in report["buckets"]] == [0] * 7
+
+
+# ---- ngram: a batch-size schedule run by run-time k ---------------------------------------------------------------
+
+
+def test_ngram_schedule_runs_plain_steps_above_it_drafts_below_and_changes_no_greedy_token(
+    eng_ngram, task_prompts, none_greedy
+):
+    """16 requests start above the schedule's k>0 ranges: their first steps run plain (the fast path), and the
+    steps after half of them finished draft; the engine reports what it ran, and greedy tokens are no speculation's."""
+    out = eng_ngram.generate(task_prompts, GREEDY)
+    (report,) = out.spec_control
+    assert report["mode"] == "fixed"
+    assert 0 < report["plain_steps"] < report["steps"], report
+    assert out.spec_counters[DRAFTS] > 0
+    assert out.token_ids == none_greedy
+
+
+def test_ngram_schedule_sampled_logprobs_are_the_policys(eng_ngram, task_prompts, hf_policy):
+    out = eng_ngram.generate(task_prompts, SamplingSettings(max_tokens=MAX_TOKENS, temperature=1.0, seed=11))
+    assert out.spec_counters[DRAFTS] > 0
+    worst = max(
+        max(abs(a - b) for a, b in zip(lps, hf_token_logprobs(hf_policy, p, ids)))
+        for p, ids, lps in zip(task_prompts, out.token_ids, out.logprobs)
+    )
+    assert worst < 1e-4, f"max |logprob - HF| = {worst:.2e}"
+
+
+def test_ngram_schedule_keeps_the_temperature_one_distribution(eng_ngram, plain_samples, tokenizer):
+    """k switched per step by batch size (1 while 5-8 requests run, 3 in each call's tail); the calls are small so
+    that every one of them drafts and switches."""
+    prompts, spec, drafts = [tokenizer.encode(DIST_PROMPT)] * SCHED_CALL, [], 0
+    for i in range(DIST_SAMPLES // SCHED_CALL):
+        sampling = SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=3000 + i * SCHED_CALL)
+        out = eng_ngram.generate(prompts, sampling)
+        spec += out.token_ids
+        drafts += out.spec_counters.get(DRAFTS, 0)
+    assert drafts > DIST_SAMPLES, f"only {drafts} drafts: the schedule's k>0 steps did not run"
+    p, per_pos = position_test(plain_samples, spec)
+    assert p > 1e-3, f"ngram with a k schedule: distribution differs from plain (adjusted p={p:.2e}; {per_pos})"

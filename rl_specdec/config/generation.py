@@ -55,7 +55,7 @@ class CanaryConfig:
 
 @dataclass
 class SpeculationControlConfig:
-    """k chosen while the engine runs: see rl_specdec.config.engine_args (draft_model and eagle3)."""
+    """k chosen while the engine runs: see rl_specdec.config.engine_args (draft_model, eagle3 and ngram)."""
 
     # off (vLLM's own k or schedule) | fixed (k settable at run time) | adaptive (the controller) |
     # auto (adaptive where run-time k can run: draft_model or eagle3, a UniProc executor, no async scheduling;
@@ -63,7 +63,8 @@ class SpeculationControlConfig:
     mode: str = "off"
     k_max: Optional[int] = None  # the most k may be; default: speculative_config.num_speculative_tokens
     # k=0 steps skip the drafter (caught up later); false: vLLM's own path (slower, correct). null: true for
-    # draft_model, false for eagle3 (a head needs the hidden states of every step, which a skipped step does not keep)
+    # draft_model and ngram, false for eagle3 (a head needs the hidden states of every step, which a skipped step
+    # does not keep)
     k0_fast_path: Optional[bool] = None
     # a concurrency threshold (fixed, adaptive): draft only while fewer requests than this run, k=0 from there up
     # (through the fast path); null: no threshold. With it, auto runs this rule instead of the controller.

@@ -98,21 +98,24 @@ def check_trainable_method(gen: GenerationConfig) -> None:
 
 
 def validate_speculation_control(gen: GenerationConfig) -> None:
-    """Run-time k: its numbers, and an engine it can run in (draft_model or eagle3, a UniProc executor, no async
-    scheduling); ``k0_fast_path`` null resolves to true but for eagle3.
+    """Run-time k: its numbers, and an engine it can run in (draft_model, eagle3 or ngram, a UniProc executor, no
+    async scheduling); ``k0_fast_path`` null resolves to true but for eagle3.
 
-    ``auto`` resolves here: where run-time k can run, ``fixed`` when ``draft_below`` is set (a rule: nothing to
-    measure) and ``adaptive`` otherwise; elsewhere ``off`` (vLLM's own k), so that switching speculation off or to
-    another method stays one key. ``off`` ignores ``draft_below``, as it ignores the controller's keys."""
+    ``auto`` resolves here: where run-time k can run with a drafter (draft_model, eagle3), ``fixed`` when
+    ``draft_below`` is set (a rule: nothing to measure) and ``adaptive`` otherwise; elsewhere ``off`` (vLLM's own
+    k), so that switching speculation off or to another method stays one key. ``off`` ignores ``draft_below``, as
+    it ignores the controller's keys."""
     c = gen.speculation_control
     if str(c.mode).lower() == "false":  # YAML 1.1 reads a bare `off` as false
         c.mode = "off"
     if c.mode not in CONTROL_MODES:
         raise ConfigError(f"{CONTROL_KEY}.mode={c.mode!r} must be one of {', '.join(CONTROL_MODES)}.")
     problem = _control_engine_problem(gen) if c.mode != "off" else None
+    method = (gen.vllm_kwargs.get("speculative_config") or {}).get("method")
     if c.mode == "auto":
-        c.mode = "off" if problem else "fixed" if c.draft_below is not None else "adaptive"
-    c.k0_fast_path = c.fast_path_for((gen.vllm_kwargs.get("speculative_config") or {}).get("method"))
+        off = problem or method not in AUTO_METHODS
+        c.mode = "off" if off else "fixed" if c.draft_below is not None else "adaptive"
+    c.k0_fast_path = c.fast_path_for(method)
     if c.mode == "off":
         return
     if problem:
@@ -184,7 +187,10 @@ def _check_control_numbers(c: SpeculationControlConfig, k: int) -> None:
             raise ConfigError(f"{key}.{name}={getattr(c, name)} must be >= {low}.")
 
 
-RUNTIME_K_METHODS = ("draft_model", "eagle3")  # eagle3 with k=0 through vLLM's path
+RUNTIME_K_METHODS = ("draft_model", "eagle3", "ngram")  # eagle3 with k=0 through vLLM's path
+# what ``auto`` turns run-time k on for; ngram runs it when asked (mode fixed: a schedule with a free k=0), since
+# the controller's model of a step's cost and acceptance was made and tested on drafters
+AUTO_METHODS = ("draft_model", "eagle3")
 
 
 def _control_engine_problem(gen: GenerationConfig) -> str | None:
@@ -201,6 +207,12 @@ def _control_engine_problem(gen: GenerationConfig) -> str | None:
         return (
             f"{key}.mode={mode} with speculative_config.method={method!r}: run-time k is built for "
             f"{' and '.join(RUNTIME_K_METHODS)} only. Use one of them, or mode=off."
+        )
+    if method not in AUTO_METHODS and mode == "adaptive":
+        return (
+            f"{key}.mode=adaptive with speculative_config.method={method!r}: the controller's model of a step's cost "
+            f"and acceptance is built for drafters. Run {method}'s k from a schedule with {key}.mode=fixed "
+            "(speculative_config.num_speculative_tokens_per_batch_size, or draft_below), or mode=off."
         )
     if method == "eagle3" and gen.speculation_control.k0_fast_path:
         return (

@@ -13,7 +13,8 @@ vLLM's own no-speculation code end to end (plain sampler, no metadata, no
 drafter, no draft hand-off). Every reader of ``speculative_config`` per step in
 vLLM 0.32's ``gpu_model_runner.py`` (which the CPU runner subclasses) takes the
 plain branch when it is ``None``. The drafter's KV falls behind for the
-requests of a plain step; :mod:`.drafter_kv` fills it before the drafter next runs.
+requests of a plain step; :mod:`.drafter_kv` fills it before the drafter next runs. ngram keeps no state of its
+own (it matches the request's token ids, which a plain step updates as any other), so it has nothing to catch up.
 
 **Where.** Only on this runner instance: ``execute_model``, ``sample_tokens`` and
 ``propose_draft_token_ids`` are instance attributes that shadow the class's
@@ -46,6 +47,8 @@ RUNNER_ATTRS = (
     "use_async_scheduling",
     "parallel_config",
 )
+# methods that draft from the request's own token ids, which vLLM keeps in plain steps too: nothing to catch up
+PROMPT_LOOKUP = ("ngram",)
 DRAFTER_ATTRS = (
     "input_ids",
     "model",
@@ -97,11 +100,13 @@ def probe(runner) -> list[str]:
     sc = runner.speculative_config
     if sc is None:
         return ["speculation is off"]
-    if not sc.uses_draft_model():
+    if sc.uses_draft_model():
+        problems += [f"the drafter has no {a}" for a in DRAFTER_ATTRS if not hasattr(runner.drafter, a)]
+    elif sc.method not in PROMPT_LOOKUP:
         problems.append(
-            f"method {sc.method!r}: the fast path and the drafter catch-up are written for draft_model only"
+            f"method {sc.method!r}: the fast path is written for draft_model (with the drafter's catch-up) and "
+            "ngram (no drafter state) only"
         )
-    problems += [f"the drafter has no {a}" for a in DRAFTER_ATTRS if not hasattr(runner.drafter, a)]
     if runner.use_async_scheduling:
         problems.append("async scheduling is on (the scheduler pre-allocates draft placeholders)")
     pc = runner.parallel_config
@@ -188,7 +193,7 @@ class FastPath:
         self.poisoned = False  # a plain step ran: prefix-cached blocks may hold target KV without drafter KV
         self.step_start: dict[str, int] = {}
         self.max_catch_up_tokens = 1 << 30  # tests lower it to exercise the split into pieces
-        self.catch_up_on = True
+        self.catch_up_on = runner.speculative_config.method not in PROMPT_LOOKUP  # ngram keeps no drafter KV
         self.stats = {"steps": 0, "plain_steps": 0, "catch_up_calls": 0, "catch_up_tokens": 0}
         self.listeners: list[Callable[[StepRecord, Any], None]] = []  # (finished record, next scheduler output)
         self.pending: StepRecord | None = None  # finished, waiting for the next step's start (its period)
