@@ -27,6 +27,11 @@ COMMANDS: dict[str, Command] = {
     "grpo": Command(
         "benchmarks.grpo.bench", "grpo_main", "How much faster is a GRPO step with speculation? Variants side by side"
     ),
+    "paired": Command(
+        "benchmarks.grpo.paired",
+        "main",
+        "How much faster is GRPO with a variant's generation, on one trajectory (same weights and prompts)?",
+    ),
     "staleness": Command(
         "benchmarks.grpo.bench", "staleness_main", "Does a frozen drafter go stale while the policy trains?"
     ),
@@ -38,6 +43,11 @@ COMMANDS: dict[str, Command] = {
     ),
     "cost-table": Command(
         "benchmarks.rollout.cost_table", "main", "What does an engine step cost at batch b and k drafts, measured?"
+    ),
+    "batch-sweep": Command(
+        "benchmarks.rollout.batch_sweep",
+        "main",
+        "At which batch sizes does a config's speculation pay on its own model and task? (and the k schedule)",
     ),
     "gpu-whatif": Command(
         "benchmarks.gpu.gpu_whatif", "main", "What would speculation buy on a GPU? (a model, not a measurement)"

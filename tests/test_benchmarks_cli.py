@@ -18,10 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 COMMANDS = (
     "grpo",
+    "paired",
     "staleness",
     "peer",
     "rollout",
     "cost-table",
+    "batch-sweep",
     "gpu-whatif",
     "gpu-torch",
     "gpu-head",

@@ -1,0 +1,118 @@
+"""The paired GRPO benchmark's and the batch sweep's logic, on fake engine groups (no engine starts): every
+variant generates every rollout call from the same arguments and takes every refit; ratios, intervals, the Amdahl
+bound and the batch-size schedule come out of the figures as defined."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.grpo.paired import PairedGeneration, step_rows, summarise
+from benchmarks.rollout.batch_sweep import DEFAULT_VARIANTS, best_k, parse_variants, schedule
+
+
+class FakeGroup:
+    """Records its calls; a call takes ``seconds`` (reported, not slept) and returns ``tokens`` per prompt."""
+
+    def __init__(self, tokens: int):
+        self.tokens, self.calls, self.refits = tokens, [], []
+        self.engine_info = ["own"]
+
+    def generate(self, prompts, sampling):
+        self.calls.append((prompts, sampling))
+        return SimpleNamespace(token_ids=[[1] * self.tokens for _ in prompts], spec_counters={})
+
+    def update_weights_buckets(self, buckets):
+        self.refits.append(buckets)
+
+
+def test_every_variant_generates_the_same_call_and_takes_every_refit_and_the_trained_output_is_returned():
+    base, spec = FakeGroup(3), FakeGroup(5)
+    paired = PairedGeneration("none", base, {"spec": spec})
+    rollout = SimpleNamespace(temperature=1.0, seed=7)
+    out = paired.generate([[1, 2], [3]], rollout)
+    assert base.calls == spec.calls == [([[1, 2], [3]], rollout)]
+    assert out.token_ids == [[1] * 3, [1] * 3]  # the trained group's samples are the ones trained on
+    assert set(paired.calls[0]) == {"none", "spec"} and paired.calls[0]["spec"]["tokens"] == 10
+    paired.update_weights_buckets(iter([("w", 1)]))  # a generator is read once, for every group
+    assert base.refits == spec.refits == [[("w", 1)]]
+    assert paired.others_refit_s > 0  # timed apart: the step's shared rest leaves it out
+    paired.generate([[1]], SimpleNamespace(temperature=0.0))  # validation: the trained group alone, untimed
+    assert len(spec.calls) == 1 and len(paired.calls) == 1
+    assert paired.engine_info == ["own"]  # anything else is the trained group's
+
+
+def test_the_order_rotates_by_call():
+    order = []
+
+    class Named(FakeGroup):
+        def __init__(self, name):
+            super().__init__(1)
+            self.name = name
+
+        def generate(self, prompts, sampling):
+            order.append(self.name)
+            return super().generate(prompts, sampling)
+
+    paired = PairedGeneration("a", Named("a"), {"b": Named("b"), "c": Named("c")})
+    for _ in range(3):
+        paired.generate([[1]], SimpleNamespace(temperature=1.0))
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+def _rec(base_s, var_s):
+    return {"none": {"s": base_s, "tokens": 100, "counters": {}}, "spec": {"s": var_s, "tokens": 90, "counters": {}}}
+
+
+def test_step_ratio_shares_the_rest_and_stays_under_amdahls_bound():
+    # generation 10 s against 5 s, the rest of the step 30 s: the wall time holds both generations
+    rows = {0: step_rows([_rec(10.0, 5.0)] * 2, [45.0] * 2), 1: step_rows([_rec(10.0, 4.0)], [44.0])}
+    assert rows[0][0]["rest_s"] == pytest.approx(30.0)
+    (s,) = summarise(rows, ["none", "spec"])
+    assert s["generation"] == pytest.approx(30 / 14)
+    assert s["generation_per_seed"] == {0: pytest.approx(2.0), 1: pytest.approx(2.5)}
+    assert s["step"] == pytest.approx(120 / 104)
+    assert s["generation_share"] == pytest.approx(0.25)
+    assert s["amdahl_bound"] == pytest.approx(1 / (0.75 + 0.25 / (30 / 14)))
+    assert s["step"] <= s["amdahl_bound"] + 1e-9
+    mean, lo, hi = s["generation_per_step"]
+    assert lo < mean < hi and mean == pytest.approx(math.exp((2 * math.log(2) + math.log(2.5)) / 3))
+
+
+def test_an_interval_over_equal_ratios_is_a_point_and_a_slower_variant_reads_below_one():
+    rows = {0: step_rows([_rec(4.0, 5.0)] * 3, [39.0] * 3)}
+    (s,) = summarise(rows, ["none", "spec"])
+    mean, lo, hi = s["generation_per_step"]
+    assert mean == pytest.approx(0.8) and lo == pytest.approx(0.8) and hi == pytest.approx(0.8)
+    assert s["step"] < 1
+
+
+def test_variants_parse_with_dict_overrides_and_a_bad_entry_is_named():
+    v = parse_variants(DEFAULT_VARIANTS)
+    assert [n for n, _, _ in v] == ["none", "ngram k=1", "ngram k=2", "ngram k=3"]
+    assert v[2][2] == [
+        "policy.generation.vllm_kwargs.speculative_config="
+        "{method: ngram, num_speculative_tokens: 2, prompt_lookup_max: 4, prompt_lookup_min: 2}"
+    ]
+    with pytest.raises(ValueError, match="'configs/x.yaml': write name: config"):
+        parse_variants("configs/x.yaml; b: configs/y.yaml")
+    with pytest.raises(ValueError, match="a baseline and at least one more"):
+        parse_variants("a: configs/x.yaml")
+
+
+def test_the_schedule_takes_k_where_it_measured_faster_and_zero_elsewhere():
+    def cell(s):
+        return {"s": s, "tokens": 100, "counters": {}}
+
+    names = ["none", "ngram k=1", "ngram k=3"]
+    cells = {}
+    for b, (t0, t1, t3) in {1: (10, 9, 7), 8: (10, 9.9, 10.5), 64: (10, 11, 14)}.items():
+        cells.update({("none", b, 0): cell(t0), ("ngram k=1", b, 0): cell(t1), ("ngram k=3", b, 0): cell(t3)})
+    ks = {b: best_k(cells, names, b, [0], 0.02) for b in (1, 8, 64)}
+    assert ks == {1: 3, 8: 0, 64: 0}  # at 8, k=1 is 1.01x: under the 2% it must gain
+    cells[("ngram k=3", 1, 1)], cells[("none", 1, 1)], cells[("ngram k=1", 1, 1)] = cell(11), cell(10), cell(10.5)
+    assert best_k(cells, names, 1, [0, 1], 0.02) == 0  # k=3 1.18x pooled, k=1 1.03x: each slower on seed 1
+    assert schedule(ks) == [[1, 7, 3], [8, 1024, 0]]
+    assert schedule({1: 2, 4: 2, 16: 1}) == [[1, 15, 2], [16, 1024, 1]]
