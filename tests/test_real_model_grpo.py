@@ -24,6 +24,12 @@ SMALL = [
     "grpo.val_num_prompts=8",
     "grpo.self_check_prompts=4",
     "policy.generation.max_new_tokens=24",
+    # ngram at k=3 on every step, through vLLM's own path: the shipped schedule drafts only at 2-3 running requests
+    # (its run-time k is tested on the toy, tests/test_spec_control.py). Sampling is seeded, and these k give both
+    # steps a right sample among their 8, so that both train
+    "policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens=3",
+    "policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens_per_batch_size=null",
+    "policy.generation.speculation_control.mode=off",
     "policy.generation.vllm_kwargs.kv_cache_memory_bytes=268435456",
     "checkpoint.every=1",
     "logger.progress_bar=false",
