@@ -193,7 +193,8 @@ class FastPath:
         self.poisoned = False  # a plain step ran: prefix-cached blocks may hold target KV without drafter KV
         self.step_start: dict[str, int] = {}
         self.max_catch_up_tokens = 1 << 30  # tests lower it to exercise the split into pieces
-        self.catch_up_on = runner.speculative_config.method not in PROMPT_LOOKUP  # ngram keeps no drafter KV
+        self.needs_catch_up = runner.speculative_config.method not in PROMPT_LOOKUP  # ngram keeps no drafter KV
+        self.catch_up_on = self.needs_catch_up  # tests turn it off to show the self-check fails without it
         self.stats = {"steps": 0, "plain_steps": 0, "catch_up_calls": 0, "catch_up_tokens": 0}
         self.listeners: list[Callable[[StepRecord, Any], None]] = []  # (finished record, next scheduler output)
         self.pending: StepRecord | None = None  # finished, waiting for the next step's start (its period)
