@@ -121,7 +121,7 @@ class SelfCheck:
         if d["plain_steps"] == 0:
             problems.append("no step ran as a plain step at k=0")
         problems += [f"{n} plain step call(s) to the {what}" for what, n in h.plain_calls.items() if n]
-        if not self.fp.needs_catch_up:  # ngram: no drafter state to catch up, and its drafts are the token ids'
+        if not self.fp.needs_catch_up:  # ngram: no drafter state to catch up; its drafts come from the token ids
             return problems
         if d["catch_up_tokens"] == 0:
             problems.append("the drafter was never caught up after the plain steps")
