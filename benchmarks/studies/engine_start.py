@@ -13,7 +13,9 @@ Each variant has its own cache folders (``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CAC
   and the model is compiled again at every start;
 * ``aot_off``: vLLM's ahead-of-time compile off (``VLLM_USE_AOT_COMPILE=0``): torch.compile at every
   start, from Inductor's own caches;
-* ``eager``: no compile (``enforce_eager=true``).
+* ``eager``: no compile (``enforce_eager=true``);
+* ``thawed``, ``eager_thawed``: ``fix`` and ``eager`` without the worker's heap freeze before ``vllm.LLM(...)``
+  (``VllmWorker._freeze_heap``), so each garbage collection vLLM's loader runs walks every imported object.
 
 Columns: ``start`` is what the group logs as the engine's start (``start_engine``); ``LLM()`` is vLLM's
 engine construction in it (load, compile, warm-up); ``rest`` is the imports and CPU-fix probes before it
@@ -37,11 +39,14 @@ from pathlib import Path
 from benchmarks.bench_common import add_out, cores_and_load, log, markdown_report
 
 ROOT = Path(__file__).resolve().parents[2]
+THAWED = "BENCH_ENGINE_START_THAWED"  # the child skips the worker's heap freeze before vllm.LLM(...)
 VARIANTS = {  # name -> (environment, config overrides)
     "fix": ({}, []),
     "nofix": ({"RL_SPECDEC_DISABLE_COMPILE_CACHE_FIX": "1"}, []),
     "aot_off": ({"VLLM_USE_AOT_COMPILE": "0", "RL_SPECDEC_DISABLE_COMPILE_CACHE_FIX": "1"}, []),
     "eager": ({}, ["policy.generation.vllm_kwargs.enforce_eager=true"]),
+    "thawed": ({THAWED: "1"}, []),
+    "eager_thawed": ({THAWED: "1"}, ["policy.generation.vllm_kwargs.enforce_eager=true"]),
 }
 RESULT = "RESULT "
 
@@ -76,6 +81,9 @@ def child(config: str, overrides: list[str], decode: bool) -> None:
         def _note_platform(self) -> None:  # called right after it
             self.llm_s = time.time() - self.llm_t0
             super()._note_platform()
+
+        if os.environ.get(THAWED):
+            _freeze_heap = staticmethod(lambda: None)
 
     cfg = prepare_models(load_config(config, overrides))
     worker = TimedWorker()
