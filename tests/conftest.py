@@ -31,6 +31,23 @@ RAY_TEST_CPUS = 16
 TESTS_DIR = Path(__file__).resolve().parent
 HOST_CORES = usable_cores()
 
+
+def pytest_collection_finish(session) -> None:
+    """Every test module is imported: leave the import-time heap (torch, transformers, vLLM, Ray) out of later
+    garbage collections, as the engine workers do before vLLM's loader collects (VllmWorker._freeze_heap)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Frozen objects are not freed at exit; unfrozen, the bindings that count theirs (triton's) find none left."""
+    import gc
+
+    gc.unfreeze()
+
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 

@@ -127,21 +127,50 @@ def _run_grpo(*args, env=None):
     )
 
 
-def test_print_config_shows_the_config_as_written_and_builds_nothing(tmp_path):
+@pytest.fixture
+def print_config(monkeypatch, capsys):
+    """examples/run_grpo.py's main(argv) in this process: a child would spend ~20 s importing vLLM again to check
+    the config against its declarations. The console settings main() makes are put back afterwards."""
+    import importlib.util
+    import logging
+
+    from rl_specdec.metrics.console import LEVEL_ENV, THIRD_PARTY_LOGGERS
+
+    spec = importlib.util.spec_from_file_location("run_grpo_main", ROOT / "examples/run_grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for var in (LEVEL_ENV, "VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY"):
+        monkeypatch.delenv(var, raising=False)  # recorded, and restored at teardown
+    loggers = [logging.getLogger(name) for name in ("", "rl_specdec", *THIRD_PARTY_LOGGERS)]
+    levels = [lg.level for lg in loggers]
+
+    def run(*args, env=None):
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        code = module.main(list(args))
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+    yield run
+    for lg, level in zip(loggers, levels):
+        lg.setLevel(level)
+
+
+def test_print_config_shows_the_config_as_written_and_builds_nothing(tmp_path, print_config):
     cache = tmp_path / "cache"
-    r = _run_grpo("--config", str(SPEC), "--print-config", f"{S}.method=ngram", env={"RL_SPECDEC_CACHE": str(cache)})
+    r = print_config("--config", str(SPEC), "--print-config", f"{S}.method=ngram", env={"RL_SPECDEC_CACHE": str(cache)})
     assert r.returncode == 0, r.stderr
     assert "model_name: toy:policy" in r.stdout and "method: ngram" in r.stdout and "precision: auto" in r.stdout
     assert "toy:drafter" not in r.stdout
     assert not cache.exists()  # no toy model was built
     # printing validates: a misspelled key fails, named, on a config this machine could not run either
-    r = _run_grpo("--config", str(EAGLE3), "--print-config", "policy.device=cpu", f"{S}.num_speculative_tokenz=3")
+    r = print_config("--config", str(EAGLE3), "--print-config", "policy.device=cpu", f"{S}.num_speculative_tokenz=3")
     assert r.returncode == 2 and f"{S}.num_speculative_tokenz is not a field of vLLM's SpeculativeConfig" in r.stderr
 
 
-def test_print_config_prints_a_gpu_config_on_a_cpu_machine():
+def test_print_config_prints_a_gpu_config_on_a_cpu_machine(print_config):
     """Printing does not ask whether this machine can run the method (eagle3 on vLLM's CPU build); a run does."""
-    r = _run_grpo("--config", str(EAGLE3), "--print-config", "policy.device=cpu")
+    r = print_config("--config", str(EAGLE3), "--print-config", "policy.device=cpu")
     assert r.returncode == 0, r.stderr
     assert "method: eagle3" in r.stdout and "model_name: Qwen/Qwen3-8B" in r.stdout
     resolved = prepare_models(load_config(EAGLE3, ["policy.device=cpu"]))  # as --print-config --resolved: no fetch
@@ -157,12 +186,12 @@ def test_help_lists_every_shipped_config_with_one_line():
     assert "--resolved" in r.stdout and "wandb sync" in r.stdout and "docs/grpo.md" in r.stdout
 
 
-def test_print_config_resolved_prints_what_each_engine_receives():
+def test_print_config_resolved_prints_what_each_engine_receives(print_config):
     """--print-config --resolved: the model folders and engine_args() (run-time k's settings included), the YAML on
     stdout parseable as a whole."""
     from omegaconf import OmegaConf
 
-    r = _run_grpo("--config", str(SPEC), "--print-config", "--resolved")
+    r = print_config("--config", str(SPEC), "--print-config", "--resolved")
     assert r.returncode == 0, r.stderr
     engine = OmegaConf.create(r.stdout.split("# what each engine receives")[1].split("\n", 1)[1]).engine_args
     assert Path(engine.model, "config.json").is_file() and Path(engine.speculative_config.model).is_dir()
