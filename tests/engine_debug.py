@@ -105,33 +105,54 @@ def first_drafts(g, prompts, first_k: int, catch_up: bool = True, max_tokens: in
 CYCLE = [0, 3, 0, 0, 2, 1, 0, 3, 3, 0]  # k per engine step: in and out of k=0 all the time
 
 
-def check_k_changing_is_lossless(g, plain: list[list[int]], prompt: list[int], hf_policy) -> None:
-    """400 temperature-1 samples of ``prompt`` from four calls (k=3, k=0, k cycling every step, k=2 then 3 within
-    the call) follow the policy's distribution (against ``plain``, samples without speculation) and carry its
-    log-probs (within 1e-4 of transformers')."""
+def check_k_changing_is_lossless(
+    g,
+    plain: list[list[int]],
+    prompt: list[int],
+    hf_policy,
+    tol: float = 1e-4,
+    tokens: int | None = None,
+    per_call: int = 100,
+) -> None:
+    """Temperature-1 samples of ``prompt`` (``tokens`` each, ``DIST_TOKENS`` by default) from four calls of
+    ``per_call`` (k=3, k=0, k cycling every step, k=2 then 3 within the call) follow the policy's distribution
+    (against ``plain``, samples without speculation) and carry its log-probs (within ``tol`` of transformers')."""
     import numpy as np
 
     from conftest import DIST_TOKENS, hf_token_logprobs, position_test
 
+    tokens = tokens or DIST_TOKENS
     samples, logprobs = [], []
     try:
         for i, (k, hooks) in enumerate([(3, {}), (0, {}), (3, {"cycle": CYCLE}), (2, {"plan": [(4, 3)]})]):
             g.set_speculation(k)
             debug(g, **hooks)
-            sampling = SamplingSettings(max_tokens=DIST_TOKENS, temperature=1.0, seed=2000 + 100 * i, logprobs=0)
-            out = g.generate([prompt] * 100, sampling)
+            sampling = SamplingSettings(max_tokens=tokens, temperature=1.0, seed=2000 + 100 * i, logprobs=0)
+            out = g.generate([prompt] * per_call, sampling)
             debug(g, cycle=None, plan=[])
             samples += out.token_ids
             logprobs += list(zip(out.token_ids, out.logprobs))
     finally:
         g.set_speculation(3)
-    p, per_pos = position_test(plain, samples)
+    p, per_pos = position_test(plain, samples, n_pos=tokens)
     assert p > 1e-3, f"k changed at run time changes what is sampled (adjusted p={p:.2e}; per position {per_pos})"
     worst = max(
         float(np.max(np.abs(np.array(lp) - np.array(hf_token_logprobs(hf_policy, prompt, ids)))))
         for ids, lp in logprobs[::8]
     )
-    assert worst < 1e-4, f"sampled log-probs differ from the policy's: {worst:.2e}"
+    assert worst < tol, f"sampled log-probs differ from the policy's: {worst:.2e}"
 
 
-__all__ = ["CYCLE", "GREEDY", "agreement", "check_k_changing_is_lossless", "debug", "first_drafts"]
+def perturbed_head(head_path, scale: float = 4.0, seed: int = 0) -> dict:
+    """An EAGLE-3 head's vLLM state dict with noise of ``scale`` times each tensor's spread added (a head refit
+    that drafts worse)."""
+    import torch
+
+    from rl_specdec.heads.eagle3 import load_head
+
+    gen = torch.Generator().manual_seed(seed)
+    sd = load_head(head_path).vllm_state_dict()
+    return {k: v + scale * v.std() * torch.randn(v.shape, generator=gen) for k, v in sd.items()}
+
+
+__all__ = ["CYCLE", "GREEDY", "agreement", "check_k_changing_is_lossless", "debug", "first_drafts", "perturbed_head"]

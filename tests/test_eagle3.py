@@ -17,7 +17,15 @@ import numpy as np
 import pytest
 
 from conftest import DIST_PROMPT, DIST_TOKENS, dist_samples, hf_greedy, hf_token_logprobs, module_engine, position_test
-from engine_debug import CYCLE, DebugVllmGeneration, agreement, check_k_changing_is_lossless, debug, first_drafts
+from engine_debug import (
+    CYCLE,
+    DebugVllmGeneration,
+    agreement,
+    check_k_changing_is_lossless,
+    debug,
+    first_drafts,
+    perturbed_head,
+)
 from rl_specdec.errors import WeightIntegrityError
 from rl_specdec.metrics import compute_spec_decode_metrics
 from rl_specdec.rollout import SamplingSettings
@@ -63,16 +71,6 @@ def worst_logprob_error(g, prompts, hf_policy, seed: int) -> float:
         assert len(ids) == len(lps) > 0
         worst = max(worst, float(np.max(np.abs(np.array(lps) - np.array(hf_token_logprobs(hf_policy, p, ids))))))
     return worst
-
-
-def perturbed_head(head_path, scale: float = 4.0, seed: int = 0) -> dict:
-    import torch
-
-    from rl_specdec.heads.eagle3 import load_head
-
-    gen = torch.Generator().manual_seed(seed)
-    sd = load_head(head_path).vllm_state_dict()
-    return {k: v + scale * v.std() * torch.randn(v.shape, generator=gen) for k, v in sd.items()}
 
 
 def test_head_drafts_and_greedy_equals_transformers(eng_head, task_prompts, hf_reference):

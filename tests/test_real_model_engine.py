@@ -6,6 +6,8 @@ Both engines run float32, eager, on the converted folder, exactly as a user's ch
 is the async engine with its OpenAI server, so the greedy comparison covers the engine the server uses. The
 head is built as ``pkg:smollm2-135m-instruct-eagle3`` is, on fewer of the model's own answers and steps (the
 shipped build takes minutes): enough for drafts to be accepted, which is what the comparison must cover.
+Its engine chooses k at run time, so the head is also checked through k switches (greedy, and temperature 1
+against transformers' own sampling, with a negative control) and through a head refit.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import dataclasses
 
 import pytest
 
-from conftest import NGRAM, hf_greedy, hf_token_logprobs, start_engine
+from conftest import DIST_SAMPLES, NGRAM, hf_greedy, hf_token_logprobs, position_test, start_engine
+from engine_debug import CYCLE, check_k_changing_is_lossless, debug, perturbed_head
 from rl_specdec.grpo.step import decode_response
 from rl_specdec.metrics import compute_spec_decode_metrics
 from rl_specdec.rollout import SamplingSettings
@@ -24,6 +27,7 @@ pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 32
 GREEDY = SamplingSettings(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+SAMPLED = SamplingSettings(max_tokens=MAX_TOKENS, temperature=1.0, seed=7, logprobs=0)
 ENGINE = {"max_model_len": 512, "kv_cache_memory_bytes": 2**27}  # 46 KB a token in fp32: ~2,900 tokens
 SERVED = "smollm2"
 LOGPROB_TOL = 2e-3  # float32, different kernels (vLLM's CPU attention against transformers' eager)
@@ -73,14 +77,20 @@ def head(smollm2):
 
 
 @pytest.fixture(scope="module")
-def outputs(local_ray, smollm2, head, prompts, server):
-    """Greedy outputs of an engine drafting with the head (started and stopped here) and of the ngram server's."""
-    g = start_engine(smollm2, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}, **ENGINE)
-    try:
-        drafted = g.generate(prompts, GREEDY)
-    finally:
-        g.shutdown()
-    return {"eagle3": drafted, "ngram": server.generate(prompts, GREEDY)}
+def eng_head(request, local_ray, smollm2, head):
+    """An engine drafting with the head, k chosen at run time (mode fixed: k=3 until set), the test hooks in it."""
+    from engine_debug import DebugVllmGeneration
+
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    g = start_engine(smollm2, spec, control={"mode": "fixed"}, group_cls=DebugVllmGeneration, **ENGINE)
+    request.addfinalizer(g.shutdown)
+    return g
+
+
+@pytest.fixture(scope="module")
+def outputs(eng_head, prompts, server):
+    """Greedy outputs of the engine drafting with the head and of the ngram server's."""
+    return {"eagle3": eng_head.generate(prompts, GREEDY), "ngram": server.generate(prompts, GREEDY)}
 
 
 @pytest.mark.parametrize("method", ["eagle3", "ngram"])
@@ -156,3 +166,99 @@ def test_the_openai_app_serves_it_through_its_own_chat_template(server, smol_tok
     s_text, s_ids, s_lps, s_prompt, s_finish = _chat(url, messages, stream=True)
     assert (s_text, s_ids, s_prompt, s_finish) == (text, ids, prompt, finish)
     assert max(abs(a - b) for a, b in zip(s_lps, lps)) < LOGPROB_TOL and len(s_lps) == len(lps)
+
+
+# ---- the head through k switches and a refit --------------------------------------------------------------
+
+DIST_CHAT = "Write one sentence about the sea."  # an open answer: a spread-out distribution at temperature 1
+DIST_LEN = 6  # tokens a sample: the samples' positions each get a chi-square
+DIST_DRAWN = 200  # samples drawn to be tested against DIST_SAMPLES plain ones (the control shows it is enough)
+
+
+def hf_samples(model, prompt: list[int], n: int, seed: int, temperature: float = 1.0) -> list[list[int]]:
+    """``n`` samples of ``DIST_LEN`` tokens from transformers, plain ancestral sampling (no top-k or top-p), each
+    cut after an end-of-turn token as the engine stops there. The prompt is computed once; its cache is copied to
+    the ``n`` rows."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    eos = model.generation_config.eos_token_id
+    stop = {model.config.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
+    rows = []
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1].expand(n, -1)  # [n, V]
+        past.batch_repeat_interleave(n)
+        for t in range(DIST_LEN):
+            probs = torch.softmax(logits.float() / temperature, dim=-1)  # [n, V]
+            rows.append(torch.multinomial(probs, 1, generator=gen))  # [n, 1]
+            if t + 1 < DIST_LEN:
+                out = model(input_ids=rows[-1], past_key_values=past, use_cache=True)
+                past, logits = out.past_key_values, out.logits[:, -1]
+    samples = torch.cat(rows, dim=1).tolist()  # [n, DIST_LEN]
+    return [s[: next((i + 1 for i, t in enumerate(s) if t in stop), len(s))] for s in samples]
+
+
+@pytest.fixture(scope="module")
+def dist_prompt(smol_tokenizer) -> list[int]:
+    messages = [{"role": "user", "content": DIST_CHAT}]
+    return smol_tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def plain(hf_model, dist_prompt) -> list[list[int]]:
+    return hf_samples(hf_model, dist_prompt, DIST_SAMPLES, seed=1000)
+
+
+def test_the_distribution_test_sees_a_colder_policy(hf_model, dist_prompt, plain):
+    """The negative control of the temperature-1 test below: the same test, the same sample sizes, on this
+    prompt, rejects the policy sampled at temperature 0.8."""
+    cold = hf_samples(hf_model, dist_prompt, DIST_DRAWN, seed=1001, temperature=0.8)
+    p_cold, per_pos = position_test(plain, cold, n_pos=DIST_LEN)
+    assert p_cold < 1e-6, f"the test did not see temperature 0.8 against 1.0 (adjusted p={p_cold:.2e}; {per_pos})"
+
+
+def test_greedy_with_k_cycling_every_step_equals_transformers(eng_head, prompts, reference):
+    debug(eng_head, record_steps=True)
+    debug(eng_head, cycle=CYCLE)
+    try:
+        out = eng_head.generate(prompts, GREEDY)
+    finally:
+        steps = debug(eng_head, cycle=None)["steps"]
+    assert out.token_ids == reference
+    assert {0, 1, 2, 3} <= {k for _, k, _ in steps}  # the cycle reached the engine: every k ran, k=0 included
+
+
+def test_temperature_one_through_k_switches_is_the_policys(eng_head, plain, dist_prompt, hf_model):
+    """k=3, k=0, k cycling every step, and k=2 then 3 within a call: the samples follow transformers' plain
+    sampling, and every sampled token's log-prob is transformers'."""
+    check_k_changing_is_lossless(
+        eng_head, plain, dist_prompt, hf_model, tol=LOGPROB_TOL, tokens=DIST_LEN, per_call=DIST_DRAWN // 4
+    )
+    accepted = compute_spec_decode_metrics(None, eng_head.generate([dist_prompt] * 8, SAMPLED).spec_counters)
+    assert accepted["spec_decode/num_accepted_tokens"] > 0  # the head lands drafts on this prompt too
+
+
+def test_after_a_head_refit_the_policy_is_unchanged(eng_head, head, prompts, reference, hf_model):
+    """A head refit (the head's weights perturbed) changes drafting, never what is generated: greedy tokens and
+    sampled log-probs stay transformers'; the head put back drafts as before."""
+    from rl_specdec.heads.eagle3 import load_head
+
+    def drafted(sampling):
+        out = eng_head.generate(prompts, sampling)
+        return out, compute_spec_decode_metrics(None, out.spec_counters)
+
+    _, before = drafted(GREEDY)
+    try:
+        eng_head.update_weights(perturbed_head(head), target="drafter")
+        out, after = drafted(GREEDY)
+        assert out.token_ids == reference
+        assert after["spec_decode/acceptance_length"] < before["spec_decode/acceptance_length"], (before, after)
+        sampled, _ = drafted(SAMPLED)
+        for p, ids, lps in zip(prompts, sampled.token_ids, sampled.logprobs):
+            worst = max(abs(a - b) for a, b in zip(lps, hf_token_logprobs(hf_model, p, ids)))
+            assert worst < LOGPROB_TOL, f"after a head refit a log-prob differs from transformers' by {worst:.2e}"
+    finally:
+        eng_head.update_weights(load_head(head).vllm_state_dict(), target="drafter")
+    _, restored = drafted(GREEDY)
+    assert restored["spec_decode/acceptance_length"] == before["spec_decode/acceptance_length"]
