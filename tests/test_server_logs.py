@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from conftest import CPU_VLLM_KWARGS, HOST_CORES
+from conftest import CPU_VLLM_KWARGS, HOST_CORES, wait_until
 from rl_specdec.rollout.group import AsyncVllmGeneration
 from rl_specdec.rollout.serving.async_worker import AsyncVllmWorker
 from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE
@@ -114,6 +114,10 @@ def test_a_clients_mistake_is_one_info_line_with_the_request_id(srv):
         assert rid == f"mistake-{i}" if i % 2 else len(rid) == 32, rid  # the client's id, or a new one
         answers.append((rid, path, status, says))
     got = records(srv)
+    # RequestLog writes a request's line once the app returns, which can be after the client has its answer
+    wait_until(
+        lambda: all(any(f"request {a[0]}: " in r["message"] for r in got) for a in answers) or got.extend(records(srv))
+    )
     loud = [r for r in got if r["level"] in ("WARNING", "ERROR", "CRITICAL")]
     assert loud == [], loud
     for rid, path, status, says in answers:
