@@ -140,7 +140,11 @@ def print_config(monkeypatch, capsys):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     for var in (LEVEL_ENV, "VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY"):
-        monkeypatch.delenv(var, raising=False)  # recorded, and restored at teardown
+        # main() sets these with os.environ; monkeypatch undoes only what it recorded, and it records nothing when
+        # deleting a variable that is not set: set first, so teardown removes what main() set (Ray workers of
+        # later tests inherit this process's environment)
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     loggers = [logging.getLogger(name) for name in ("", "rl_specdec", *THIRD_PARTY_LOGGERS)]
     levels = [lg.level for lg in loggers]
 
