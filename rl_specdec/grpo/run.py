@@ -4,8 +4,8 @@
 can run the speculation method, the metrics logger (first, so a bad
 wandb setting fails in seconds), the tokenizer and the task (one prompt
 encoded, so a chat task with a template-less tokenizer fails before any actor
-starts), Ray, the engine group, the policy group and
-the drafter's upkeep; then it restores the newest intact checkpoint when
+starts), Ray, the engine group and the policy group (started side by
+side), and the drafter's upkeep; then it restores the newest intact checkpoint when
 resuming, and loads the trainer's weights into every engine before the first
 rollout.
 """
@@ -13,6 +13,7 @@ rollout.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,14 +133,33 @@ def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface, Draf
 
     # more GPUs/CPUs than the cluster has: fail before any actor starts
     check_cluster_resources(cfg, ray.cluster_resources())
-    generation = VllmGeneration(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
-    try:
-        policy = PolicyGroup(cfg.policy, keep_reference=cfg.grpo.kl_coef > 0 or cfg.grpo.log_kl, seed=cfg.seed)
-        drafter = DrafterUpkeep.create(cfg, cluster_has_gpus(), policy)
-    except BaseException:
-        generation.shutdown()
-        raise
+    # The policy's workers start while the engines do: either start is mostly a new process importing its libraries.
+    with ThreadPoolExecutor(1, thread_name_prefix="policy-start") as pool:
+        policy_start = pool.submit(
+            PolicyGroup, cfg.policy, keep_reference=cfg.grpo.kl_coef > 0 or cfg.grpo.log_kl, seed=cfg.seed
+        )
+        try:
+            generation = VllmGeneration(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
+        except BaseException:
+            _discard(policy_start)
+            raise
+        try:
+            policy = policy_start.result()
+            drafter = DrafterUpkeep.create(cfg, cluster_has_gpus(), policy)
+        except BaseException:
+            generation.shutdown()
+            _discard(policy_start)
+            raise
     return generation, policy, drafter
+
+
+def _discard(policy_start: Future) -> None:
+    """Stop the policy group a failed start began, once it has started (or failed to, leaving nothing)."""
+    try:
+        policy = policy_start.result()
+    except BaseException:  # noqa: BLE001  its own failure left nothing behind; the caller raises the first error
+        return
+    policy.shutdown()
 
 
 def record_environment(run: GRPORun) -> None:
