@@ -45,6 +45,7 @@ REQUIRED = [
     "generation/tokens_per_s",
     "generation/response_length_mean",
     "generation/response_length_max",
+    "generation/response_length_p90",
     "timing/generation",
     "timing/train",
     "timing/refit",

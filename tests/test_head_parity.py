@@ -19,6 +19,9 @@ from rl_specdec.heads import eagle3
 from rl_specdec.heads.eagle3 import Eagle3Head, HeadShape, load_head, save_head
 
 VOCAB, STEPS, T = 48, 3, 12
+# float32 rounding through three chained draft steps: up to 1.1e-5 measured (an AVX-512 CPU), 4e-7-8e-6 elsewhere;
+# every fault the negative controls put in gives 1.8 or more
+ROUNDING = 1e-4
 
 
 def _target(kind: str):
@@ -151,13 +154,13 @@ def test_the_trainers_head_drafts_what_vllm_drafts(built, case):
         states = target(torch.arange(T)[None] % VOCAB, output_hidden_states=True).hidden_states
     aux = torch.cat([states[i][0] for i in head.shape.aux_layer_ids], -1)
     assert torch.allclose(aux, pair.target_aux(torch.arange(T) % VOCAB), atol=1e-5), "the aux states differ"
-    assert gap(built[case]) < 1e-5
+    assert gap(built[case]) < ROUNDING
 
 
 def test_a_shuffled_aux_order_is_caught(built):
     case = built["llama target (SmolLM2-shaped), GQA head"]
     ids = case[0].shape.aux_layer_ids
-    assert gap(case) < 1e-5 and gap(case, order=ids[::-1]) > 1e-3
+    assert gap(case) < ROUNDING and gap(case, order=ids[::-1]) > 1e-3
 
 
 def test_a_missing_norm_is_caught(built, monkeypatch):

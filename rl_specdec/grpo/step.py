@@ -231,6 +231,7 @@ def step_metrics(out: GenerationOutput, learned: Learned, extra, times) -> dict[
         "generation/tokens_per_s": lengths.sum().item() / max(times["timing/generation"], 1e-9),
         "generation/response_length_mean": lengths.mean().item(),
         "generation/response_length_median": lengths.median().item(),
+        "generation/response_length_p90": lengths.quantile(0.9).item(),
         "generation/response_length_max": lengths.max().item(),
         "generation/truncated_fraction": sum(r == "length" for r in out.finish_reasons) / len(out.finish_reasons),
         **tail_metrics(out),
