@@ -228,3 +228,21 @@ def test_gpu_configs_train_the_chat_task_within_their_lengths(name):
     assert longest + gen.max_new_tokens <= gen.vllm_kwargs["max_model_len"]
     rollouts = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     assert rollouts % gen.num_engines == 0 and rollouts % cfg.policy.num_workers == 0
+
+
+def test_the_step0_probe_counts_the_groups_a_first_step_learns_from():
+    """examples/heldout_accuracy.py --samples: a problem with answers both right and wrong is one GRPO learns from;
+    all right or all wrong has no advantage."""
+    import importlib.util
+
+    import torch
+
+    path = ROOT / "examples/heldout_accuracy.py"
+    spec = importlib.util.spec_from_file_location("heldout_accuracy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    correct = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0]])  # [P=4, G=3]
+    line = module._sampled(correct, [10] * 10 + [100, 384])
+    assert "sampled accuracy 0.500 (3 answers to each of 4 problems)" in line
+    assert "2/4 problems with a right and a wrong answer" in line
+    assert "median 10, p90 91, max 384" in line
