@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=0, help="answers sampled per problem (0: one greedy answer)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
+    if args.samples < 0:
+        parser.error(f"--samples {args.samples}: give a number of answers per problem >= 1, or 0 for one greedy answer")
 
     from transformers import AutoTokenizer
 

@@ -157,7 +157,8 @@ def _discard(policy_start: Future) -> None:
     """Stop the policy group a failed start began, once it has started (or failed to, leaving nothing)."""
     try:
         policy = policy_start.result()
-    except BaseException:  # noqa: BLE001  its own failure left nothing behind; the caller raises the first error
+    except BaseException as e:  # noqa: BLE001  it left nothing behind; the caller raises the first error, this is said
+        logger.warning("the policy group failed to start as well: %s: %s", type(e).__name__, e)
         return
     policy.shutdown()
 
