@@ -15,6 +15,24 @@ from rl_specdec.config.speculation import validate_speculation
 from rl_specdec.errors import ConfigError
 
 
+def validate_sampling(gen) -> None:
+    """The trainer scores tokens under the policy's own distribution (temperature 1, no truncation), so the engines
+    must sample from that distribution too; anything else would train off-policy without saying so."""
+    if gen.temperature == 0:
+        raise ConfigError(
+            "policy.generation.temperature=0 makes every sample in a GRPO group identical, so all advantages are 0; "
+            "use temperature 1.0 for training (greedy is used for validation)."
+        )
+    scored_as = "the trainer scores log-probs under the unmodified policy, so sampling any other distribution is "
+    scored_as += "silently off-policy"
+    if gen.temperature != 1.0:
+        raise ConfigError(f"policy.generation.temperature={gen.temperature}: {scored_as}; set it to 1.0.")
+    if gen.top_p != 1.0:
+        raise ConfigError(f"policy.generation.top_p={gen.top_p}: {scored_as}; set it to 1.0.")
+    if gen.top_k != -1:
+        raise ConfigError(f"policy.generation.top_k={gen.top_k}: {scored_as}; set it to -1 (no truncation).")
+
+
 def cuda_available() -> bool:
     import torch
 
@@ -54,15 +72,7 @@ def validate(cfg: RunConfig) -> None:
     positive("policy.generation.max_new_tokens", gen.max_new_tokens)
     positive("policy.generation.engine_restart.max_restarts", gen.engine_restart.max_restarts, allow_zero=True)
     positive("policy.generation.engine_restart.max_per_hour", gen.engine_restart.max_per_hour, allow_zero=True)
-    if gen.temperature < 0:
-        raise ConfigError(f"policy.generation.temperature={gen.temperature} must be >= 0")
-    if gen.temperature == 0:
-        raise ConfigError(
-            "policy.generation.temperature=0 makes every sample in a GRPO group identical, so all advantages are 0; "
-            "use temperature 1.0 for training (greedy is used for validation)."
-        )
-    if not 0 < gen.top_p <= 1:
-        raise ConfigError(f"policy.generation.top_p={gen.top_p} must be in (0, 1]")
+    validate_sampling(gen)
     if cfg.logger.level.lower() not in LOG_LEVELS:
         raise ConfigError(f"logger.level={cfg.logger.level!r} must be one of {', '.join(LOG_LEVELS)}")
     validate_wandb(cfg.logger.wandb)

@@ -159,6 +159,7 @@ class GenerationConfig:
     num_engines: int = 1
     cpus_per_engine: int = 1  # CPU bundle per engine (also the cores bound to its OpenMP threads)
     max_new_tokens: int = 64
+    # The trainer scores the unmodified policy, so training samples from it: load refuses anything else.
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
