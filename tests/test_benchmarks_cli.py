@@ -116,8 +116,17 @@ def test_no_two_grpo_variants_run_the_same_settings():
         cfg = dataclasses.asdict(load_config(REPO / config, ["grpo.max_steps=7", *overrides]))
         cfg.pop("logger")  # each run logs to its own folder
         key = repr(sorted(cfg.items()))
-        assert name in allowed or key not in seen, f"{name!r} runs the settings of {seen.get(key)!r}"
+        twin = seen.get(key)
+        assert twin is None or {name, twin} & allowed, f"{name!r} runs the settings of {twin!r}"
         seen.setdefault(key, name)
+
+
+def test_a_precision_variant_is_compared_with_no_speculation_in_its_own_precision():
+    from benchmarks.grpo.bench_variants import baseline_of
+
+    assert baseline_of("smollm2 ngram bf16-mixed") == "smollm2 base bf16-mixed"
+    assert baseline_of("grpo_spec fp32") == "grpo_base fp32"
+    assert baseline_of("smollm2 ngram") == "smollm2 base"
 
 
 def test_machine_label_names_vendor_family_cores_and_best_vector_extension(monkeypatch):

@@ -64,6 +64,7 @@ def _load(path):
     return _try_load_aot_compiled_fn(_Model(), str(path))
 
 
+@pytest.mark.integration  # compiles a model with inductor and loads it through vLLM's loader (~13 s)
 def test_vllms_loader_fails_on_a_cpu_compile_without_the_fix_and_loads_it_with(unfixed, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     x, w = _save_compiled(tmp_path / "model")

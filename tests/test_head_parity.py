@@ -147,6 +147,7 @@ def gap(built_case, order=None) -> float:
     return worst
 
 
+@pytest.mark.integration  # vLLM's own drafter modules in this process (the fixture's builds take ~25 s)
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_trainers_head_drafts_what_vllm_drafts(built, case):
     head, target, pair = built[case]
@@ -157,12 +158,14 @@ def test_the_trainers_head_drafts_what_vllm_drafts(built, case):
     assert gap(built[case]) < ROUNDING
 
 
+@pytest.mark.integration
 def test_a_shuffled_aux_order_is_caught(built):
     case = built["llama target (SmolLM2-shaped), GQA head"]
     ids = case[0].shape.aux_layer_ids
     assert gap(case) < ROUNDING and gap(case, order=ids[::-1]) > 1e-3
 
 
+@pytest.mark.integration
 def test_a_missing_norm_is_caught(built, monkeypatch):
     case = built["qwen2 target"]
     monkeypatch.setattr(eagle3, "rms_norm", lambda x, weight, eps: x * weight)  # every norm without its division

@@ -219,10 +219,10 @@ def baseline_of(name: str) -> str:
     """The variant a variant is compared with: same task, same engine layout, no speculation."""
     if name in OVERLAP_VARIANTS:
         return overlap_runs.baseline(name)
+    if name in PRECISION_VARIANTS:  # the same precision without speculation
+        return precision_runs.BASELINE.get(name, name)
     if family(name):
         return f"{family(name)} base"
-    if name in PRECISION_VARIANTS:  # the same precision without speculation
-        return "grpo_base " + name.split(" ", 1)[1]
     return "grpo_base 2x1" if "2x1" in name else "grpo_base"
 
 

@@ -9,6 +9,8 @@ master weights and AdamW state stay fp32 while both the train step and the rollo
         --variants "grpo_spec fp32;grpo_spec bf16-mixed"
     python -m benchmarks.grpo.bench --sections grpo --steps 10 --seeds 0,1 --out results/precision_base \\
         --variants "grpo_base fp32;grpo_base bf16-mixed"
+    python -m benchmarks grpo --steps 8 --seeds 0,1 --no-lockstep --out results/smollm2_precision \\
+        --variants "smollm2 base fp32;smollm2 base bf16-mixed;smollm2 ngram fp32;smollm2 ngram bf16-mixed"
 
 The table (:func:`precision_table`) gives, per variant, the phases and the step, the log-prob
 mismatch between trainer and engines (``train/logprob_mismatch``: the mean over steps of each
@@ -24,12 +26,25 @@ from pathlib import Path
 
 from benchmarks.rollout.rollout_report import fmt
 
+# variant prefix -> config: the default run, and the real model (its "smollm2 " names keep it in its family)
+RUNS = {
+    "grpo_base": "grpo_base",
+    "grpo_spec": "grpo_spec",
+    "smollm2 base": "smollm2_base",
+    "smollm2 ngram": "smollm2_spec",
+}
 VARIANTS: dict[str, tuple[str, list[str]]] = {
-    f"{run} {precision}": (f"configs/{run}.yaml", [f"policy.precision={precision}"])
-    for run in ("grpo_base", "grpo_spec")
+    f"{run} {precision}": (f"configs/{config}.yaml", [f"policy.precision={precision}"])
+    for run, config in RUNS.items()
     for precision in ("fp32", "bf16-mixed")
 }
-FP32_OF = {f"{run} bf16-mixed": f"{run} fp32" for run in ("grpo_base", "grpo_spec")}
+FP32_OF = {f"{run} bf16-mixed": f"{run} fp32" for run in RUNS}
+# a precision variant's baseline: the same precision without speculation
+BASELINE = {
+    f"{run} {p}": f"{base} {p}"
+    for run, base in (("grpo_spec", "grpo_base"), ("smollm2 ngram", "smollm2 base"))
+    for p in ("fp32", "bf16-mixed")
+}
 
 
 def run_stats(log_dir: Path) -> dict:

@@ -25,6 +25,11 @@ including ``qwen3-vocab``: a 2-layer body with Qwen3's 151,936-token vocabulary,
 
     python -m benchmarks.studies.train_phase --workloads toy,wide,smollm2 --seeds 0,1 --steps 1
     python -m benchmarks.studies.train_phase --memory --workloads smollm2,qwen3-vocab
+
+``--precision fp32,bf16-mixed`` instead times the shipped trainer (``shared, no reference``) in each precision,
+on the same batches from the same weights::
+
+    python -m benchmarks.studies.train_phase --workloads smollm2 --precision fp32,bf16-mixed --seeds 0,1 --steps 2
 """
 
 from __future__ import annotations
@@ -159,32 +164,34 @@ def start(workload: str, precision: str = "fp32", name: str = "shared"):
     return w
 
 
-def time_steps(workload: str, seeds: list[int], steps: int, precision: str) -> None:
+def time_steps(workload: str, seeds: list[int], steps: int, arms: dict[str, tuple[str, str]]) -> None:
+    """One row: the median train step of each arm (label -> (precision, variant)), the first arm the baseline."""
     from rl_specdec.grpo import ClippedPGLoss
 
     loss_fn = ClippedPGLoss(0.2, kl_coef=0.0)
-    names = list(VARIANTS)
-    workers = {v: start(workload, precision, v) for v in names}
-    vocab = workers["shared"].model.config.vocab_size
-    for v, w in workers.items():
-        with variant(v):
+    names = list(arms)
+    workers = {a: start(workload, *arms[a]) for a in names}
+    vocab = workers[names[0]].model.config.vocab_size
+    for a, w in workers.items():
+        with variant(arms[a][1]):
             w.train_step(make_batch(workload, 10**6, vocab), loss_fn)  # warm-up
     times: dict[str, list[float]] = defaultdict(list)
     for seed in seeds:
         for i in range(steps):
             batch = make_batch(workload, seed * 1000 + i, vocab)
-            for v in names if i % 2 == 0 else names[::-1]:  # who goes first alternates
-                with variant(v):
-                    times[v].append(workers[v].train_step(batch, loss_fn)["step_time_s"])
-    med = {v: statistics.median(times[v]) for v in names}
+            for a in names if i % 2 == 0 else names[::-1]:  # who goes first alternates
+                with variant(arms[a][1]):
+                    times[a].append(workers[a].train_step(batch, loss_fn)["step_time_s"])
+    med = {a: statistics.median(times[a]) for a in names}
+    base = names[0]
 
-    def per_seed(v: str) -> str:
+    def per_seed(a: str) -> str:
         def seed_median(name: str, k: int) -> float:
             return statistics.median(times[name][k * steps : (k + 1) * steps])
 
-        return ", ".join(f"{seed_median('before', k) / seed_median(v, k):.2f}x" for k in range(len(seeds)))
+        return ", ".join(f"{seed_median(base, k) / seed_median(a, k):.2f}x" for k in range(len(seeds)))
 
-    cells = " | ".join(f"{med[v]:.2f} ({med['before'] / med[v]:.2f}x)" for v in names)
+    cells = " | ".join(f"{med[a]:.2f} ({med[base] / med[a]:.2f}x)" for a in names)
     print(f"| {workload} | {cells} | {per_seed(names[-1])} |", flush=True)
 
 
@@ -250,7 +257,11 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--memory", action="store_true")
-    ap.add_argument("--precision", default="fp32", help="policy.precision of both variants (fp32, bf16-mixed)")
+    ap.add_argument(
+        "--precision",
+        default="fp32",
+        help="policy.precision of every variant; two or more (fp32,bf16-mixed): the shipped trainer in each",
+    )
     ap.add_argument("--one-pass", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one_pass:
@@ -265,11 +276,16 @@ def main(argv=None) -> None:
     if args.memory:
         return memory(workloads)
     seeds = [int(s) for s in args.seeds.split(",")]
+    precisions = args.precision.split(",")
+    if len(precisions) > 1:  # the shipped trainer in each precision
+        arms = {p: (p, "shared, no reference") for p in precisions}
+    else:
+        arms = {v: (precisions[0], v) for v in VARIANTS}
     print(f"train_step, median over {args.steps} steps x {len(seeds)} seeds, {args.precision}")
-    print("| workload | " + " | ".join(f"{v}, s (speed-up)" for v in VARIANTS) + f" | {list(VARIANTS)[-1]}, per seed |")
-    print("|---" * (len(VARIANTS) + 2) + "|")
+    print("| workload | " + " | ".join(f"{a}, s (speed-up)" for a in arms) + f" | {list(arms)[-1]}, per seed |")
+    print("|---" * (len(arms) + 2) + "|")
     for wl in workloads:
-        time_steps(wl, seeds, args.steps, args.precision)
+        time_steps(wl, seeds, args.steps, arms)
 
 
 if __name__ == "__main__":
