@@ -137,6 +137,18 @@ def test_reward_reads_the_final_integer_exactly(response, finished, right):
     assert (r.reward, r.correct) == (float(right), right)
 
 
+def test_a_bare_guess_is_right_but_unrewarded_where_working_is_asked_for():
+    task = ArithmeticChatTask(min_working_words=4)
+    worked = task.score("Hana had 14 and found 9, so 23.\n\\boxed{23}", "23", True)
+    assert (worked.reward, worked.correct) == (1.0, True)
+    bare = task.score("So \\boxed{23}", "23", True)  # one word: the answer counts, the reward does not
+    assert (bare.reward, bare.correct) == (0.0, True)
+    assert task.score("Hana had 14 and found 9, so 22.\n\\boxed{22}", "23", True).reward == 0.0
+    assert ArithmeticChatTask().score("So \\boxed{23}", "23", True).reward == 1.0  # 0, the default: none needed
+    with pytest.raises(ConfigError, match=r"task.kwargs.min_working_words=-1 must be >= 0"):
+        ArithmeticChatTask(min_working_words=-1)
+
+
 def test_final_answer_canonical_forms():
     assert final_answer("\\boxed{1,234}") == "1234"
     assert final_answer("so 1,234 shells") == "1234"

@@ -122,6 +122,9 @@ class ArithmeticChatTask:
     system_prompt: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     holdout_every: int = 8  # 1 problem in holdout_every is reserved for validation (see module doc)
+    # A right answer earns its reward only after this many words of working: without it GRPO can learn to guess
+    # a bare \boxed{N} (shorter, so never cut) where the instruction asks for sentences. Accuracy ignores it.
+    min_working_words: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_steps <= self.max_steps:
@@ -138,6 +141,8 @@ class ArithmeticChatTask:
             )
         if self.max_operand < 2:
             raise ConfigError(f"task.kwargs.max_operand={self.max_operand} must be >= 2 (a gain adds 2..max_operand)")
+        if self.min_working_words < 0:
+            raise ConfigError(f"task.kwargs.min_working_words={self.min_working_words} must be >= 0 (0: none needed)")
         if self.holdout_every < 2:
             raise ConfigError(
                 f"task.kwargs.holdout_every={self.holdout_every} must be >= 2 (1 in holdout_every problems is held out)"
@@ -195,6 +200,8 @@ class ArithmeticChatTask:
         return tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
 
     def score(self, response: str, answer: str, finished: bool) -> TaskReward:
-        """1.0 when the response finished and its final answer is exactly ``answer``."""
+        """1.0 when the response finished and its final answer is exactly ``answer`` (after ``min_working_words``
+        words before its last ``\\boxed``, where set); ``correct`` is the answer's alone."""
         correct = finished and final_answer(response) == answer
-        return TaskReward(reward=float(correct), correct=correct)
+        working = len(response.rsplit("\\boxed", 1)[0].split())
+        return TaskReward(reward=float(correct and working >= self.min_working_words), correct=correct)
