@@ -9,7 +9,8 @@ master weights and AdamW state stay fp32 while both the train step and the rollo
         --variants "grpo_spec fp32;grpo_spec bf16-mixed"
     python -m benchmarks.grpo.bench --sections grpo --steps 10 --seeds 0,1 --out results/precision_base \\
         --variants "grpo_base fp32;grpo_base bf16-mixed"
-    python -m benchmarks grpo --steps 8 --seeds 0,1 --no-lockstep --out results/smollm2_precision \\
+    python -m benchmarks grpo --steps 6 --seeds 0,1 --no-lockstep --out results/smollm2_precision \\
+        --set grpo.val_every=3 \\
         --variants "smollm2 base fp32;smollm2 base bf16-mixed;smollm2 ngram fp32;smollm2 ngram bf16-mixed"
 
 The table (:func:`precision_table`) gives, per variant, the phases and the step, the log-prob

@@ -23,8 +23,10 @@ def validate_sampling(gen) -> None:
             "policy.generation.temperature=0 makes every sample in a GRPO group identical, so all advantages are 0; "
             "use temperature 1.0 for training (greedy is used for validation)."
         )
-    scored_as = "the trainer scores log-probs under the unmodified policy, so sampling any other distribution is "
-    scored_as += "silently off-policy"
+    scored_as = (
+        "the trainer scores log-probs under the unmodified policy, so sampling any other distribution is "
+        "silently off-policy"
+    )
     if gen.temperature != 1.0:
         raise ConfigError(f"policy.generation.temperature={gen.temperature}: {scored_as}; set it to 1.0.")
     if gen.top_p != 1.0:
