@@ -96,14 +96,19 @@ def test_a_finished_run_holds_the_turn_until_its_processes_have_exited(tmp_path)
 
 
 def test_without_the_baton_the_same_steps_overlap(tmp_path):
-    """Negative control: the overlap check finds the clashes of the same members run side by side, unturned."""
+    """Negative control: the overlap check finds the clashes of the same members run side by side, unturned.
+
+    Each waits for the other to finish importing before its first step: under load one process's imports may
+    take longer than the other's four steps, and then nothing would overlap whatever the check does."""
     script, spans = _script(tmp_path), tmp_path / "spans.log"
     procs = [
         subprocess.Popen(
             [
                 sys.executable,
                 "-c",
-                f"import runpy; m = runpy.run_path({str(script)!r}); "
+                f"import pathlib, runpy, time; m = runpy.run_path({str(script)!r})\n"
+                f"pathlib.Path({str(spans)!r} + '.ready{i}').touch()\n"
+                f"while not pathlib.Path({str(spans)!r} + '.ready{1 - i}').exists(): time.sleep(0.01)\n"
                 f"raise SystemExit(m['main']([{str(i)!r}, '4', '-1', {str(spans)!r}]))",
             ]
         )
