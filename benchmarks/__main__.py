@@ -74,6 +74,16 @@ def usage() -> str:
     return "\n".join(lines) + "\n"
 
 
+def quiet_console() -> None:
+    """vLLM, Ray and transformers at ERROR in this process and the engines it starts, as run_grpo.py's default
+    (RL_SPECDEC_LOG_LEVEL=info shows their lines); before the command's module can import vLLM."""
+    import os
+
+    from rl_specdec.metrics.console import LEVEL_ENV, configure_console
+
+    configure_console(os.environ.get(LEVEL_ENV, "error").lower())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -85,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cmd = COMMANDS[name]
     sys.argv = [f"python -m benchmarks {name}", *rest]  # the tool's --help and errors name the command
+    quiet_console()
     status = getattr(importlib.import_module(cmd.module), cmd.function)(rest)
     return status or 0
 

@@ -5,7 +5,9 @@ engines on the toy models. An engine costs 15-35 s to start on a 2-core CPU
 machine, so engines are module-scoped fixtures built by :func:`start_engine`
 and shared by every test of a module; each module tears its engines and its
 Ray instance down at the end, so modules with their own Ray instance (the
-simulated multi-node cluster) can follow.
+simulated multi-node cluster) can follow. The README's command runs the suite in
+two pytest-xdist workers, each with its own Ray instances; a file's tests stay in
+one worker (pyproject.toml's addopts).
 
 Engine settings used everywhere on CPU are the toy presets
 (``rl_specdec.toy.presets.TOY_ENGINE_KWARGS``; why each one, see there and

@@ -6,6 +6,7 @@ Nothing puts a folder on the path: ``python -m`` and ``python -c`` run from the 
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import textwrap
@@ -85,6 +86,29 @@ def test_help_lists_every_command_and_each_command_and_study_takes_help():
 def test_an_unknown_command_is_refused_with_the_choices():
     proc = _run("-m", "benchmarks", "exactnes")
     assert proc.returncode == 2 and "unknown command 'exactnes'" in proc.stderr and "grpo" in proc.stderr
+
+
+QUIET_PROBE = """
+import os, sys, types
+import benchmarks.__main__ as cli
+module = types.ModuleType("probe")
+module.main = lambda argv: print("LEVELS", os.environ.get("VLLM_LOGGING_LEVEL"), os.environ.get("RL_SPECDEC_LOG_LEVEL"))
+sys.modules["probe"] = module
+cli.COMMANDS["probe"] = cli.Command("probe", "main", "?")
+sys.exit(cli.main(["probe"]))
+"""
+
+
+def test_a_command_runs_with_a_quiet_console_unless_asked():
+    """vLLM and Ray log at ERROR in a command and the engines it starts, set before the command's module loads;
+    RL_SPECDEC_LOG_LEVEL=info brings their lines back."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "RL_SPECDEC_LOG_LEVEL")}
+    for given, want in ((None, "LEVELS ERROR ERROR"), ("info", "LEVELS INFO INFO")):
+        extra = {"RL_SPECDEC_LOG_LEVEL": given} if given else {}
+        proc = subprocess.run(
+            [sys.executable, "-c", QUIET_PROBE], cwd=ROOT, env={**env, **extra}, capture_output=True, text=True
+        )
+        assert proc.returncode == 0 and want in proc.stdout.splitlines(), proc.stdout + proc.stderr
 
 
 def test_grpo_steps_default_to_the_shipped_config_and_quick_runs_the_default_against_its_baseline():
