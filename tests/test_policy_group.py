@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BF16_UNIT, actor_states, adam_step_from_checkpoint, assert_adam_first_step, gradient, wait_until
+from adam_steps import BF16_UNIT, adam_step_from_checkpoint, assert_adam_first_step, gradient
+from conftest import actor_states, wait_until
 from rl_specdec.config import PolicyConfig, load_config
 from rl_specdec.grpo import ClippedPGLoss
 from rl_specdec.grpo.batch import Trajectory, build_train_batch

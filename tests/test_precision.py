@@ -9,17 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import (
-    BF16_UNIT,
-    adam_step,
-    adam_step_from_checkpoint,
-    assert_adam_first_step,
-    dist_samples,
-    draft_spec,
-    gradient,
-    position_test,
-    start_engine,
-)
+from adam_steps import BF16_UNIT, adam_step, adam_step_from_checkpoint, assert_adam_first_step, gradient
+from conftest import dist_samples, draft_spec, position_test, start_engine
 from rl_specdec.config import PolicyConfig
 from rl_specdec.config.generation import GenerationConfig
 from rl_specdec.grpo import ClippedPGLoss
