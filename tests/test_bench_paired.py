@@ -116,3 +116,13 @@ def test_the_schedule_takes_k_where_it_measured_faster_and_zero_elsewhere():
     assert best_k(cells, names, 1, [0, 1], 0.02) == 0  # k=3 1.18x pooled, k=1 1.03x: each slower on seed 1
     assert schedule(ks) == [[1, 7, 3], [8, 1024, 0]]
     assert schedule({1: 2, 4: 2, 16: 1}) == [[1, 15, 2], [16, 1024, 1]]
+
+
+def test_any_drafter_named_with_its_k_enters_the_schedule_and_other_names_do_not():
+    def cell(s):
+        return {"s": s, "tokens": 100, "counters": {}}
+
+    names = ["none", "head k=1", "head k=3", "head (the schedule)"]
+    cells = {("none", 1, 0): cell(10), ("head k=1", 1, 0): cell(9), ("head k=3", 1, 0): cell(8)}
+    cells[("head (the schedule)", 1, 0)] = cell(5)  # fastest, but not a fixed k: never a schedule's entry
+    assert best_k(cells, names, 1, [0], 0.02) == 3

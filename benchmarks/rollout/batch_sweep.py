@@ -13,9 +13,9 @@ model, as GRPO's step 0 does) and the same prompts:
 Sampled lengths differ by chance between variants (speculation is lossless in distribution, not sample by
 sample), so a cell's speed-up is the pooled ratio: generated tokens over seconds, summed over its calls and seeds,
 against the baseline's. The range gives each seed's own ratio. The table also gives the acceptance length of each
-speculative variant, the best k among the fixed-k ngram variants per batch size, and the schedule that follows
-(``num_speculative_tokens_per_batch_size``: that k where it measured at least ``--min-gain`` faster pooled and
-no slower on any seed, 0 elsewhere)::
+speculative variant, the best k among the fixed-k variants (named ``<drafter> k=N``) per batch size, and the
+schedule that follows (``num_speculative_tokens_per_batch_size``: that k where it measured at least
+``--min-gain`` faster pooled and no slower on any seed, 0 elsewhere)::
 
     python -m benchmarks batch-sweep --seeds 0,1     # the real model: none against ngram k=1..3, and the schedule
     python -m benchmarks batch-sweep --seeds 0,1 --variants "none: configs/smollm2_base.yaml; \\
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ DEFAULT_VARIANTS = ";".join([f"none: {BASE}"] + [f"ngram k={k}: {BASE} {NGRAM_K.
 # 1 GiB of KV a variant holds 64 requests at max_model_len with room (five engines side by side in 24 GiB)
 KV = "policy.generation.vllm_kwargs.kv_cache_memory_bytes=1073741824"
 ROLLOUT = "rollout"
+FIXED_K = re.compile(r"\bk=(\d+)$")  # a fixed-k variant's name: "ngram k=2", "head k=3"
 
 
 def parse_variants(text: str) -> list[tuple[str, str, list[str]]]:
@@ -157,14 +159,14 @@ def _acceptance(cells: dict, name: str, b, seeds) -> float | None:
 
 
 def best_k(cells: dict, names: list[str], b, seeds, min_gain: float) -> int:
-    """The k of the fastest ``ngram k=K`` variant at b among those that beat the baseline by ``min_gain`` pooled
-    and were not slower on any seed; 0 if none did."""
+    """The k of the fastest fixed-k variant (named ``<drafter> k=K``: one drafter per sweep) at b among those that
+    beat the baseline by ``min_gain`` pooled and were not slower on any seed; 0 if none did."""
     fixed = {}
     for n in names:
-        if n.startswith("ngram k="):
+        if FIXED_K.search(n):
             pooled, worst = _ratio(cells, n, names[0], b, seeds), min(_ratio(cells, n, names[0], b, [s]) for s in seeds)
             if pooled >= 1 + min_gain and worst >= 1:
-                fixed[int(n.rsplit("=", 1)[1])] = pooled
+                fixed[int(FIXED_K.search(n).group(1))] = pooled
     return max(fixed, key=fixed.get) if fixed else 0
 
 
@@ -184,9 +186,9 @@ def schedule(ks: dict[int, int], max_b: int = 1024) -> list[list[int]]:
 def table(cells: dict, names: list[str], batches: list, seeds: list[int], min_gain: float) -> tuple[str, list]:
     """Markdown: per batch size the baseline's tokens/s, each variant's pooled speed-up (per-seed range) and
     acceptance length, and the best fixed k; and the schedule that follows."""
-    head = f"| b | {names[0]} (tok/s) | " + " | ".join(f"{n}" for n in names[1:]) + " | best ngram k |"
+    head = f"| b | {names[0]} (tok/s) | " + " | ".join(f"{n}" for n in names[1:]) + " | best k |"
     lines = [head, "|" + "---|" * (len(names) + 2)]
-    ks, fixed = {}, any(n.startswith("ngram k=") for n in names)
+    ks, fixed = {}, any(FIXED_K.search(n) for n in names)
     for b in batches:
         tok = sum(cells[names[0], b, s]["tokens"] for s in seeds) / sum(cells[names[0], b, s]["s"] for s in seeds)
         row = [str(b), f"{tok:.0f}"]
