@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.grpo.paired import PairedGeneration, step_rows, summarise
+from benchmarks.grpo.paired import PairedGeneration, lengths_line, step_rows, summarise
 from benchmarks.rollout.batch_sweep import DEFAULT_VARIANTS, best_k, parse_variants, schedule
 
 
@@ -126,3 +126,9 @@ def test_any_drafter_named_with_its_k_enters_the_schedule_and_other_names_do_not
     cells = {("none", 1, 0): cell(10), ("head k=1", 1, 0): cell(9), ("head k=3", 1, 0): cell(8)}
     cells[("head (the schedule)", 1, 0)] = cell(5)  # fastest, but not a fixed k: never a schedule's entry
     assert best_k(cells, names, 1, [0], 0.02) == 3
+
+
+def test_the_report_gives_each_steps_rollout_lengths_per_seed():
+    rows = {0: [{"lengths": [88.0, 384.0, 384.0]}, {"lengths": [66.0, 248.0, 384.0]}], 1: [{"lengths": [96, 384, 384]}]}
+    line = lengths_line(rows)
+    assert line.endswith("seed 0: 88/384/384, 66/248/384; seed 1: 96/384/384")

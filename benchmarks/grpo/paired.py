@@ -17,6 +17,8 @@ generation changes, and nothing else. Per variant, against the baseline (the fir
 * the step speed-up, and the bound Amdahl's law sets on it from generation's share of the baseline's step;
 * generated tokens (lossless in distribution, not sample by sample: they differ by chance), acceptance length.
 
+and, per step, the trained run's rollout lengths (median, p90, max): how much of each call is a long tail.
+
 ::
 
     python -m benchmarks paired --seeds 0,1 --steps 4      # the real model: none against configs/smollm2_spec.yaml
@@ -173,6 +175,18 @@ def table(summary: list[dict], base: str) -> str:
     return "\n".join(lines)
 
 
+LENGTHS = ("median", "p90", "max")  # of the trained run's rollouts, each step (its metrics row)
+
+
+def lengths_line(rows_by_seed: dict[int, list[dict]]) -> str:
+    """The trained run's rollout lengths by step, per seed: how long-tailed each step's calls were."""
+    per_seed = [
+        f"seed {s}: " + ", ".join("/".join(f"{v:.0f}" for v in r["lengths"]) for r in rs if r.get("lengths"))
+        for s, rs in rows_by_seed.items()
+    ]
+    return "rollout length (tokens) median/p90/max by step, trained run: " + "; ".join(per_seed)
+
+
 def run_seed(variants, trained: str, seed: int, steps: int, out: Path) -> list[dict]:
     """One trained run of ``steps`` steps with every other variant's engines beside it; the per-step rows."""
     from rl_specdec.config import load_config
@@ -190,7 +204,7 @@ def run_seed(variants, trained: str, seed: int, steps: int, out: Path) -> list[d
     cfg = load_config(config, overrides + common + TRAINED + extra)
     with StopSignals(cfg.checkpoint.grace_s, None) as stop:
         run = setup(cfg)
-        run.stop, paired, walls = stop, None, []
+        run.stop, paired, walls, lengths = stop, None, [], []
         try:
             others = {}
             for n, (c, o) in by_name.items():
@@ -204,10 +218,12 @@ def run_seed(variants, trained: str, seed: int, steps: int, out: Path) -> list[d
                 t0, refits0 = time.perf_counter(), paired.others_refit_s
                 row = grpo_step(run, step)
                 walls.append(time.perf_counter() - t0 - (paired.others_refit_s - refits0))
+                lengths.append([row.get(f"generation/response_length_{q}", float("nan")) for q in LENGTHS])
                 log(
                     f"seed {seed} step {step + 1}: "
                     + ", ".join(f"{n} {v['s']:.1f} s" for n, v in paired.calls[-1].items())
-                    + f"; train {row.get('timing/train', 0):.1f} s"
+                    + f"; train {row.get('timing/train', 0):.1f} s; lengths "
+                    + "/".join(f"{v:.0f}" for v in lengths[-1])
                 )
         finally:
             if paired is not None:
@@ -215,7 +231,10 @@ def run_seed(variants, trained: str, seed: int, steps: int, out: Path) -> list[d
                 run.generation = paired.trained
             run.shutdown()
             stop_ray()
-    return step_rows(paired.calls, walls)
+    rows = step_rows(paired.calls, walls)
+    for r, lens in zip(rows, lengths):
+        r["lengths"] = lens
+    return rows
 
 
 def main(argv=None) -> None:
@@ -249,6 +268,7 @@ def main(argv=None) -> None:
     with bench_common.markdown_report(out, "paired.md", "Paired GRPO", head):
         print(f"trained on {trained}'s rollouts; every variant generates each step's rollouts from the same weights")
         print(table(summary, names[0]))
+        print(f"\n{lengths_line(rows)}")
     print(f"written to {out / 'paired.json'} and {out / 'paired.md'}")
 
 
