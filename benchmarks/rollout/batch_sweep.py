@@ -163,10 +163,10 @@ def best_k(cells: dict, names: list[str], b, seeds, min_gain: float) -> int:
     beat the baseline by ``min_gain`` pooled and were not slower on any seed; 0 if none did."""
     fixed = {}
     for n in names:
-        if FIXED_K.search(n):
+        if named := FIXED_K.search(n):
             pooled, worst = _ratio(cells, n, names[0], b, seeds), min(_ratio(cells, n, names[0], b, [s]) for s in seeds)
             if pooled >= 1 + min_gain and worst >= 1:
-                fixed[int(FIXED_K.search(n).group(1))] = pooled
+                fixed[int(named.group(1))] = pooled
     return max(fixed, key=fixed.get) if fixed else 0
 
 
