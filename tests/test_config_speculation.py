@@ -93,16 +93,15 @@ def test_the_controller_starts_from_a_schedule_when_one_is_set():
         load_config(SPEC, [f"{ctl}.start=schedule"])  # the default's threshold: fixed
 
 
-def test_eagle3_runs_run_time_k_with_k0_through_vllms_path():
-    """A head's k=0 steps take vLLM's own path (its first pass keeps the head's KV): null resolves to that per
-    method, and asking for the fast path with eagle3 names the key and the fix."""
+def test_eagle3_runs_its_k0_steps_through_the_fast_path_unless_told_not_to():
+    """A head's k=0 steps take the fast path by default (its catch-up reads the hidden states the plain steps
+    kept); ``k0_fast_path=false`` keeps vLLM's own path."""
     s, c = "policy.generation.vllm_kwargs.speculative_config", "policy.generation.speculation_control"
     head = [f"{s}.method=eagle3", f"{s}.model=toy:eagle3"]
     ctl = load_config(SPEC, head).policy.generation.speculation_control
+    assert (ctl.mode, ctl.k0_fast_path) == ("fixed", True)
+    ctl = load_config(SPEC, [*head, f"{c}.k0_fast_path=false"]).policy.generation.speculation_control
     assert (ctl.mode, ctl.k0_fast_path) == ("fixed", False)
-    assert load_config(SPEC).policy.generation.speculation_control.k0_fast_path is True
-    with pytest.raises(ConfigError, match=rf"{c}.k0_fast_path=true with method eagle3.*k0_fast_path=false"):
-        load_config(SPEC, [*head, f"{c}.mode=fixed", f"{c}.k0_fast_path=true"])
 
 
 def test_ngram_runs_a_schedule_through_run_time_k_with_its_k0_steps_plain_and_not_the_controller():

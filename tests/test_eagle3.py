@@ -6,9 +6,10 @@ k=3, run-time k on) and ``eng_dv`` (that head with its own draft vocabulary).
 The head reads the policy's hidden states and shares its embedding (and, without
 a draft vocabulary, its LM head) inside the engine, so the refit tests check both
 that a new head changes drafting and that the policy's log-probs do not move. With
-run-time k a head's k=0 steps run through vLLM's own path (its first pass keeps
-the head's KV in step), so drafting resumes after a stretch at k=0 with the
-drafts it would have made.
+run-time k a head's k=0 steps are plain steps (the head does not run); they keep
+the policy's hidden states, from which the head is caught up before it next
+drafts, so drafting resumes after a stretch at k=0 with the drafts it would have
+made.
 """
 
 from __future__ import annotations
@@ -203,15 +204,30 @@ def test_temperature_one_with_k_changing_between_and_within_calls(eng_head, plai
 
 
 def test_the_head_drafts_after_a_stretch_at_k0_as_if_it_never_stopped(eng_head, tokenizer):
-    """8 engine steps at k=0, then k=3: every first draft equals the one a k=3 run makes at that position.
+    """8 engine steps at k=0 (plain steps: the head does not run), then k=3: the head, caught up from the policy's
+    hidden states those steps kept, makes at every position the first draft a k=3 run makes there, also when the
+    catch-up is split into pieces of at most 7 tokens.
 
     Only positions where both runs verified drafts are compared; the head lands most drafts, so a prompt has
-    few verify steps and the test takes 48 prompts."""
+    few verify steps and the test takes 48 prompts. Negative control: without the catch-up (prompts included)
+    the head's KV has holes and its first drafts differ."""
     from rl_specdec.tasks.sorting import SortingTask
 
     prompts = [tokenizer.encode(s.prompt) for s in SortingTask(max_len=24).make_batch(seed=321, n=48)]
     ref_tokens, ref = first_drafts(eng_head, prompts, 3)
-    tokens, after = first_drafts(eng_head, prompts, 0)
-    assert tokens == ref_tokens
-    same, total = agreement(ref, after)
-    assert total >= 30 and same == total, (same, total)
+    before = debug(eng_head)["stats"]
+    runs = {
+        "catch-up": first_drafts(eng_head, prompts, 0),
+        "catch-up in pieces of <= 7 tokens": first_drafts(eng_head, prompts, 0, max_tokens=7),
+    }
+    stats = debug(eng_head)["stats"]
+    runs["no catch-up"] = first_drafts(eng_head, prompts, 0, catch_up=False)
+    assert stats["plain_steps"] - before["plain_steps"] >= 16, (before, stats)
+    assert stats["catch_up_tokens"] > before["catch_up_tokens"], (before, stats)
+    for name, (tokens, _) in runs.items():
+        assert tokens == ref_tokens, name
+    for name in ("catch-up", "catch-up in pieces of <= 7 tokens"):
+        same, total = agreement(ref, runs[name][1])
+        assert total >= 30 and same == total, (name, same, total)
+    same, total = agreement(ref, runs["no catch-up"][1])
+    assert total >= 30 and same < 0.9 * total, f"without catch-up the drafts should differ: {same}/{total}"

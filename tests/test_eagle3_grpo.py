@@ -14,7 +14,7 @@ HEAD_ONLINE = [
     f"{S}.method=eagle3",
     f"{S}.model=toy:eagle3",
     "policy.generation.drafter_training.enabled=true",
-    "policy.generation.speculation_control.mode=fixed",  # run-time k, with k=0 through vLLM's path
+    "policy.generation.speculation_control.mode=fixed",  # run-time k, its k=0 steps plain
 ]
 
 

@@ -188,7 +188,7 @@ def test_sampled_logprobs_are_the_trainers_while_k_changes(engine, control, prom
 def test_with_a_head_sampled_logprobs_are_the_trainers_while_k_changes_and_after_a_refit(
     head_engine, control, prompts, tokenizer, hf_policy
 ):
-    """The same with an EAGLE-3 head: its k=0 steps run through vLLM's own path, and before the second call a
+    """The same with an EAGLE-3 head: its k=0 steps are plain steps with a catch-up, and before the second call a
     refit puts a perturbed head in (what online head training does): the head only proposes."""
     from benchmarks.exactness import exactness
 

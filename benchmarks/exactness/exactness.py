@@ -64,7 +64,7 @@ MODES = {
 }
 # the EAGLE-3 head each pair's target drafts with under --drafter eagle3 (built and cached at first use)
 HEADS = {"toy": "toy:eagle3", "wide": "toy:wide-eagle3"}
-# a head's k=0 steps run through vLLM's own path, which keeps the head's KV in step: no catch-up to switch off
+# the catch-up switched off is checked with the draft model only
 NOT_FOR_HEADS = ("stale-drafter",)
 # of --tokens (and of --minutes)
 SHARE = {"none": 0.1, "warmup": 0.35, "random": 0.15, "stretch": 0.15, "stale-drafter": 0.1, "refit": 0.15}

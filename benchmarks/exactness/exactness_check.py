@@ -88,7 +88,7 @@ def kind(ctx: dict) -> str:
     """A token's kind, for the per-kind maxima."""
     if ctx["plain"]:
         return "plain step"
-    if ctx["k_verified"] == 0:  # a prefill, or a k=0 step through vLLM's path (a head drafting nothing)
+    if ctx["k_verified"] == 0:  # a prefill, or a k=0 step through vLLM's path (k0_fast_path=false)
         return "step with no drafts"
     if ctx["catch_up_before_drafts"]:
         return "drafts after a catch-up"

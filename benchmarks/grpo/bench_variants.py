@@ -107,7 +107,7 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
         [f"{SPEC}.num_speculative_tokens_per_batch_size=[[1,2,5],[3,4,4],[5,16,2],[17,1024,0]]"],
     ),
     # an EAGLE-3 head for the wide target (toy:wide-eagle3, trained at build), the controller choosing k in 0..5
-    # (k=0 through vLLM's path); frozen, and trained online from the policy's update
+    # (k=0 steps plain); frozen, and trained online from the policy's update
     "wide eagle3 frozen": ("configs/grpo_spec_wide.yaml", WIDE_HEAD),
     # at the head's default learning rate (1e-4), and at 1e-3, under which its acceptance fell step by step
     "wide eagle3 online": ("configs/grpo_spec_wide.yaml", [*WIDE_HEAD, f"{DRAFTER}.enabled=true"]),

@@ -62,9 +62,8 @@ class SpeculationControlConfig:
     # else off)
     mode: str = "off"
     k_max: Optional[int] = None  # the most k may be; default: speculative_config.num_speculative_tokens
-    # k=0 steps skip the drafter (caught up later); false: vLLM's own path (slower, correct). null: true for
-    # draft_model and ngram, false for eagle3 (a head needs the hidden states of every step, which a skipped step
-    # does not keep)
+    # k=0 steps skip the drafter (caught up before it next drafts: a draft model from the token ids, a head from
+    # the policy's hidden states the plain step kept); false: vLLM's own path (slower, correct). null: true
     k0_fast_path: Optional[bool] = None
     # a concurrency threshold (fixed, adaptive): draft only while fewer requests than this run, k=0 from there up
     # (through the fast path); null: no threshold. With it, auto runs this rule instead of the controller.
@@ -80,9 +79,10 @@ class SpeculationControlConfig:
     memory_steps: int = 200  # the step-cost model forgets with this horizon (steps)
     acceptance_memory: int = 2000  # the acceptance estimate forgets with this horizon (drafts)
 
-    def fast_path_for(self, method: str | None) -> bool:
-        """``k0_fast_path``, its null resolved for ``method``."""
-        return self.k0_fast_path if self.k0_fast_path is not None else method != "eagle3"
+    @property
+    def fast_path(self) -> bool:
+        """``k0_fast_path``, its null resolved (true)."""
+        return self.k0_fast_path is not False
 
 
 SCHEDULE_END = 1 << 16  # the dynamic-k schedule covers every batch size vLLM may run (it clips to max_num_seqs)

@@ -99,7 +99,7 @@ def check_trainable_method(gen: GenerationConfig) -> None:
 
 def validate_speculation_control(gen: GenerationConfig) -> None:
     """Run-time k: its numbers, and an engine it can run in (draft_model, eagle3 or ngram, a UniProc executor, no
-    async scheduling); ``k0_fast_path`` null resolves to true but for eagle3.
+    async scheduling); ``k0_fast_path`` null resolves to true.
 
     ``auto`` resolves here: where run-time k can run with a drafter (draft_model, eagle3), ``fixed`` when
     ``draft_below`` is set (a rule: nothing to measure) and ``adaptive`` otherwise; elsewhere ``off`` (vLLM's own
@@ -115,7 +115,7 @@ def validate_speculation_control(gen: GenerationConfig) -> None:
     if c.mode == "auto":
         off = problem or method not in AUTO_METHODS
         c.mode = "off" if off else "fixed" if c.draft_below is not None else "adaptive"
-    c.k0_fast_path = c.fast_path_for(method)
+    c.k0_fast_path = c.fast_path
     if c.mode == "off":
         return
     if problem:
@@ -187,7 +187,7 @@ def _check_control_numbers(c: SpeculationControlConfig, k: int) -> None:
             raise ConfigError(f"{key}.{name}={getattr(c, name)} must be >= {low}.")
 
 
-RUNTIME_K_METHODS = ("draft_model", "eagle3", "ngram")  # eagle3 with k=0 through vLLM's path
+RUNTIME_K_METHODS = ("draft_model", "eagle3", "ngram")
 # what ``auto`` turns run-time k on for; ngram runs it when asked (mode fixed: a schedule with a free k=0), since
 # the controller's model of a step's cost and acceptance was made and tested on drafters
 AUTO_METHODS = ("draft_model", "eagle3")
@@ -213,12 +213,6 @@ def _control_engine_problem(gen: GenerationConfig) -> str | None:
             f"{key}.mode=adaptive with speculative_config.method={method!r}: the controller's model of a step's cost "
             f"and acceptance is built for drafters. Run {method}'s k from a schedule with {key}.mode=fixed "
             "(speculative_config.num_speculative_tokens_per_batch_size, or draft_below), or mode=off."
-        )
-    if method == "eagle3" and gen.speculation_control.k0_fast_path:
-        return (
-            f"{key}.k0_fast_path=true with method eagle3: a head drafts from the policy's hidden states of the step "
-            "before, which a fast-path step does not keep, so its k=0 steps run through vLLM's own path. Set "
-            f"{key}.k0_fast_path=false (or remove it)."
         )
     if kw.get("async_scheduling"):
         return (

@@ -6,7 +6,16 @@ for a request, one drafter forward over the missed positions
 ``[drafter_valid[r], start_r)`` of every stale request in the step (each a
 prefill chunk attending to its own earlier KV) writes them, so the drafter
 proposes exactly what it would have proposed had it run at every step
-(``tests/test_spec_control.py`` checks the first drafts). The forward is built
+(``tests/test_spec_control.py`` checks the first drafts).
+
+An EAGLE-3 head reads, at position p, the token at p + 1 and the policy's hidden
+states at p (combined by its ``fc``), as vLLM's first pass feeds it. A plain step
+keeps those hidden states in a :class:`HeadStash` (one ``[hidden]`` row a
+position, ``combine_hidden_states`` applied), and the head's catch-up takes them
+from there. Prefill chunks are caught up at the end of their own plain step, so
+prompt blocks that the prefix cache hands to later requests hold the head's KV
+too; decode positions wait until the head next drafts, or are dropped with the
+request. The forward is built
 from vLLM 0.32's pieces: ``CommonAttentionMetadata``, the drafter's
 ``build_per_group_and_layer_attn_metadata`` and ``_get_slot_mapping``,
 ``set_forward_context`` and the drafter's model; token ids come from the input
@@ -57,27 +66,83 @@ def forwards(pieces: list[tuple[int, int, int]], budget: int) -> list[list[tuple
     return out
 
 
+class HeadStash:
+    """The policy's hidden states, combined by the head, at the positions plain steps ran for each request."""
+
+    def __init__(self):
+        self.chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}  # request -> [(first position, [n, hidden])]
+
+    @torch.inference_mode()
+    def add(self, runner, so, aux: list[torch.Tensor], starts: dict[str, int]) -> dict[str, int]:
+        """Keep this plain step's hidden states (``aux``: the policy's, ``[tokens, hidden]`` each, rows in the
+        input batch's order); returns the requests whose step was a prefill chunk, with the chunk's end."""
+        ib, n_tok = runner.input_batch, so.total_num_scheduled_tokens
+        combined = runner.drafter.model.combine_hidden_states(torch.cat([h[:n_tok] for h in aux], dim=-1))
+        chunk_ends, off = {}, 0
+        for rid in ib.req_ids[: ib.num_reqs]:
+            n = int(so.num_scheduled_tokens.get(rid, 0))
+            if n:
+                self.chunks.setdefault(rid, []).append((starts[rid], combined[off : off + n].clone()))
+                if n > 1:
+                    chunk_ends[rid] = starts[rid] + n
+            off += n
+        return chunk_ends
+
+    def take(self, rid: str, start: int, end: int) -> torch.Tensor | None:
+        """``[end - start, hidden]`` at positions ``[start, end)``, the latest chunk winning; None if one is missing."""
+        chunks = self.chunks.get(rid, [])
+        if not chunks:
+            return None
+        out = chunks[0][1].new_empty((end - start, chunks[0][1].shape[1]))
+        seen = np.zeros(end - start, dtype=bool)
+        for first, h in chunks:
+            a, b = max(start, first), min(end, first + h.shape[0])
+            if a < b:
+                out[a - start : b - start] = h[a - first : b - first]
+                seen[a - start : b - start] = True
+        return out if seen.all() else None
+
+    def keep_only(self, rids) -> None:
+        """Drop every request but ``rids`` (those still stale)."""
+        for rid in [r for r in self.chunks if r not in rids]:
+            del self.chunks[rid]
+
+
 @torch.inference_mode()
-def catch_up(runner, drafter_valid: dict[str, int], step_start: dict[str, int], max_tokens: int) -> int:
-    """Run the drafter over what it missed for the stale requests of this step; returns the tokens caught up."""
+def catch_up(
+    runner, drafter_valid: dict[str, int], step_start: dict[str, int], max_tokens: int, stash: HeadStash | None = None
+) -> int:
+    """Run the drafter over what it missed for the stale requests of this step; returns the tokens caught up.
+    ``stash``: a head's hidden states (pieces it lacks are skipped, leaving the head's drafts worse, never a
+    token changed)."""
     drafter = runner.drafter
     budget = int(min(drafter.input_ids.shape[0], max_tokens))
     pieces = stale_pieces(drafter_valid, step_start, runner.input_batch.req_id_to_index, budget)
+    hidden = None
+    if stash is not None:
+        req_ids = runner.input_batch.req_ids
+        hidden = {pc: stash.take(req_ids[pc[0]], pc[1], pc[2]) for pc in pieces}
+        pieces = [pc for pc in pieces if hidden[pc] is not None]
+        stash.keep_only(drafter_valid)
     for batch in forwards(pieces, budget):
-        drafter_prefill(runner, batch)
+        drafter_prefill(runner, batch, hidden)
     return sum(e - s for _, s, e in pieces)
 
 
-def drafter_prefill(runner, batch: list[tuple[int, int, int]]) -> None:
-    """One drafter forward over ``[(row, start, end), ...]`` (distinct rows, ascending)."""
+def drafter_prefill(runner, batch: list[tuple[int, int, int]], hidden: dict | None = None) -> None:
+    """One drafter forward over ``[(row, start, end), ...]`` (distinct rows, ascending). ``hidden``: a head's
+    ``[end - start, hidden]`` per piece; a head reads the token after each position."""
     from vllm.forward_context import set_forward_context
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     drafter, ib = runner.drafter, runner.input_batch
-    rows, starts, ends = (list(x) for x in zip(*sorted(batch)))
+    batch = sorted(batch)
+    rows, starts, ends = (list(x) for x in zip(*batch))
     qlens = np.array([e - s for s, e in zip(starts, ends)], dtype=np.int32)
     n_tok = int(qlens.sum())
-    tok = np.concatenate([ib.token_ids_cpu[r, s:e] for r, s, e in zip(rows, starts, ends)]).astype(np.int64)
+    shift = 0 if hidden is None else 1
+    tok = np.concatenate([ib.token_ids_cpu[r, s + shift : e + shift] for r, s, e in zip(rows, starts, ends)])
+    tok = tok.astype(np.int64)
     pos = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]).astype(np.int64)
     qsl = np.zeros(len(rows) + 1, dtype=np.int32)
     qsl[1:] = np.cumsum(qlens)
@@ -101,10 +166,16 @@ def drafter_prefill(runner, batch: list[tuple[int, int, int]]) -> None:
     )
     _, per_layer = drafter.build_per_group_and_layer_attn_metadata(cad)
     drafter.input_ids[:n_tok] = torch.from_numpy(tok).to(drafter.input_ids.dtype)
+    kwargs = {}
+    if hidden is not None:
+        drafter.hidden_states[:n_tok] = torch.cat([hidden[pc] for pc in batch])
+        kwargs["hidden_states"] = drafter.hidden_states[:n_tok]
     with set_forward_context(
         per_layer, drafter.vllm_config, num_tokens=n_tok, slot_mapping=drafter._get_slot_mapping(n_tok, slot)
     ):
-        drafter.model(input_ids=drafter.input_ids[:n_tok], positions=torch.from_numpy(pos), inputs_embeds=None)
+        drafter.model(
+            input_ids=drafter.input_ids[:n_tok], positions=torch.from_numpy(pos), inputs_embeds=None, **kwargs
+        )
 
 
 def _probe() -> None:

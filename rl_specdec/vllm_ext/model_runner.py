@@ -13,7 +13,9 @@ vLLM's own no-speculation code end to end (plain sampler, no metadata, no
 drafter, no draft hand-off). Every reader of ``speculative_config`` per step in
 vLLM 0.32's ``gpu_model_runner.py`` (which the CPU runner subclasses) takes the
 plain branch when it is ``None``. The drafter's KV falls behind for the
-requests of a plain step; :mod:`.drafter_kv` fills it before the drafter next runs. ngram keeps no state of its
+requests of a plain step; :mod:`.drafter_kv` fills it before the drafter next runs. An EAGLE-3 head also needs the
+policy's hidden states of those positions: a plain step keeps them (``ExecuteModelState.aux_hidden_states``, which
+vLLM computes whenever a head is loaded) and catches its prefill chunks up at once. ngram keeps no state of its
 own (it matches the request's token ids, which a plain step updates as any other), so it has nothing to catch up.
 
 **Where.** Only on this runner instance: ``execute_model``, ``sample_tokens`` and
@@ -33,7 +35,7 @@ import dataclasses
 import time
 from typing import Any, Callable
 
-from rl_specdec.vllm_ext.drafter_kv import catch_up
+from rl_specdec.vllm_ext.drafter_kv import HeadStash, catch_up
 
 RUNNER_ATTRS = (
     "execute_model",
@@ -49,6 +51,8 @@ RUNNER_ATTRS = (
 )
 # methods that draft from the request's own token ids, which vLLM keeps in plain steps too: nothing to catch up
 PROMPT_LOOKUP = ("ngram",)
+HEADS = ("eagle3",)  # draft from the policy's hidden states: a plain step keeps them for the catch-up
+HEAD_ATTRS = ("hidden_states", "use_heterogeneous_vocab", "pass_hidden_states_to_model")
 DRAFTER_ATTRS = (
     "input_ids",
     "model",
@@ -72,6 +76,7 @@ FIELDS = {  # vLLM dataclass -> the fields read here
     "vllm.v1.core.sched.output.NewRequestData": ("req_id", "num_computed_tokens"),
     "vllm.v1.outputs.ModelRunnerOutput": ("sampled_token_ids", "req_id_to_index"),
     "vllm.v1.worker.gpu_input_batch.CachedRequestState": ("sampling_params", "output_token_ids"),
+    "vllm.v1.worker.gpu_model_runner.ExecuteModelState": ("scheduler_output", "aux_hidden_states"),
 }
 
 
@@ -79,7 +84,8 @@ def _fields(qualname: str) -> set[str]:
     import importlib
 
     module, name = qualname.rsplit(".", 1)
-    return {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+    cls = getattr(importlib.import_module(module), name)
+    return set(cls._fields) if hasattr(cls, "_fields") else {f.name for f in dataclasses.fields(cls)}
 
 
 def probe_classes() -> None:
@@ -100,13 +106,19 @@ def probe(runner) -> list[str]:
     sc = runner.speculative_config
     if sc is None:
         return ["speculation is off"]
-    if sc.uses_draft_model():
+    if sc.uses_draft_model() or sc.method in HEADS:
         problems += [f"the drafter has no {a}" for a in DRAFTER_ATTRS if not hasattr(runner.drafter, a)]
     elif sc.method not in PROMPT_LOOKUP:
         problems.append(
-            f"method {sc.method!r}: the fast path is written for draft_model (with the drafter's catch-up) and "
-            "ngram (no drafter state) only"
+            f"method {sc.method!r}: the fast path is written for draft_model and eagle3 (with the drafter's "
+            "catch-up) and ngram (no drafter state) only"
         )
+    if sc.method in HEADS and not problems:
+        problems += [f"the head has no {a}" for a in HEAD_ATTRS if not hasattr(runner.drafter, a)]
+        if not getattr(runner, "use_aux_hidden_state_outputs", False):
+            problems.append("the policy returns no hidden states for the head (use_aux_hidden_state_outputs)")
+        elif runner.drafter.use_heterogeneous_vocab:
+            problems.append("the head's vocabulary maps to the policy's (the catch-up feeds policy token ids)")
     if runner.use_async_scheduling:
         problems.append("async scheduling is on (the scheduler pre-allocates draft placeholders)")
     pc = runner.parallel_config
@@ -194,6 +206,7 @@ class FastPath:
         self.step_start: dict[str, int] = {}
         self.max_catch_up_tokens = 1 << 30  # tests lower it to exercise the split into pieces
         self.needs_catch_up = runner.speculative_config.method not in PROMPT_LOOKUP  # ngram keeps no drafter KV
+        self.stash = HeadStash() if runner.speculative_config.method in HEADS else None
         self.catch_up_on = self.needs_catch_up  # tests turn it off to show the self-check fails without it
         self.stats = {"steps": 0, "plain_steps": 0, "catch_up_calls": 0, "catch_up_tokens": 0}
         self.listeners: list[Callable[[StepRecord, Any], None]] = []  # (finished record, next scheduler output)
@@ -227,22 +240,32 @@ class FastPath:
         return out
 
     def sample_tokens(self, grammar_output):
+        keep = self.stash is not None and self.in_plain_step() and self.runner.execute_model_state is not None
+        state = self.runner.execute_model_state if keep else None
         try:
             out = self.orig["sample_tokens"](grammar_output)
         finally:
             self.runner.speculative_config = self.spec_config
+        if state is not None and state.aux_hidden_states is not None:
+            # after sampling: the token after a finished prompt, which a head reads at its last position, is known
+            ends = self.stash.add(self.runner, state.scheduler_output, state.aux_hidden_states, self.step_start)
+            if ends and self.catch_up_on:
+                self._catch_up(ends)
         self._finish(out)
         return out
 
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         if self.drafter_valid and self.catch_up_on:
-            n = catch_up(self.runner, self.drafter_valid, self.step_start, self.max_catch_up_tokens)
-            if n:
-                self.stats["catch_up_calls"] += 1
-                self.stats["catch_up_tokens"] += n
-                if self._cur is not None:
-                    self._cur.catch_up += n
+            self._catch_up(self.step_start)
         return self.orig["propose_draft_token_ids"](scheduler_output, *args, **kwargs)
+
+    def _catch_up(self, ends: dict[str, int]) -> None:
+        n = catch_up(self.runner, self.drafter_valid, ends, self.max_catch_up_tokens, self.stash)
+        if n:
+            self.stats["catch_up_calls"] += 1
+            self.stats["catch_up_tokens"] += n
+            if self._cur is not None:
+                self._cur.catch_up += n
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _begin(self, so) -> None:
@@ -276,11 +299,15 @@ class FastPath:
     def _track_staleness(self, so, starts: dict[str, int], plain: bool) -> None:
         for rid in so.finished_req_ids:
             self.drafter_valid.pop(rid, None)
+        if self.stash is not None and so.finished_req_ids:
+            self.stash.keep_only(self.drafter_valid)
         resumed = so.scheduled_cached_reqs.resumed_req_ids or ()
         for rid in resumed:  # preempted and resumed: recomputed from its start, on new blocks
             if rid in self.drafter_valid:
                 self.drafter_valid[rid] = min(self.drafter_valid[rid], starts.get(rid, 0))
-        if self.poisoned:  # a prefix-cache hit may land on blocks filled during plain steps: catch up from 0
+        # a prefix-cache hit may land on blocks filled during plain steps: catch up from 0 (a head's prefill
+        # chunks were caught up in their own step, and it has no hidden states of another request's positions)
+        if self.poisoned and self.stash is None:
             for nr in so.scheduled_new_reqs:
                 if nr.num_computed_tokens > 0:
                     self.drafter_valid[nr.req_id] = 0

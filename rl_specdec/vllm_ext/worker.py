@@ -30,11 +30,6 @@ def model_runner(worker):
     return worker.model_runner
 
 
-def speculative_method(worker) -> str | None:
-    spec = worker.vllm_config.speculative_config
-    return None if spec is None else spec.method
-
-
 def drafter_model(worker):
     """The drafter's torch module, or None in an engine whose method has no drafter model (ngram, suffix, none)."""
     spec = worker.vllm_config.speculative_config

@@ -35,7 +35,7 @@ class SpecControl:
         self.k_max = self.sched.spec_k_max
         self.initial = list(self.sched.dynamic_sd_lookup)
         runner = vx.model_runner(worker)
-        fast = config.fast_path_for(vx.speculative_method(worker))
+        fast = config.fast_path
         if fast:
             problems = probe(runner)
             if problems:
