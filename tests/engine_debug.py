@@ -102,6 +102,25 @@ def first_drafts(g, prompts, first_k: int, catch_up: bool = True, max_tokens: in
     return out.token_ids, {tuple(p): dict(d) for p, d in rec}
 
 
+def check_catch_up_is_exact(g, prompts, min_compared: int, control_below: float) -> None:
+    """After 8 plain steps the caught-up drafter's first drafts equal, at every position both runs verified, those
+    of a run at k=3 throughout, whole and in pieces of at most 7 tokens, with the greedy tokens unchanged; without
+    the catch-up (the negative control) fewer than ``control_below`` of them agree."""
+    ref_tokens, ref = first_drafts(g, prompts, 3)
+    runs = {
+        "catch-up": first_drafts(g, prompts, 0),
+        "catch-up in pieces of <= 7 tokens": first_drafts(g, prompts, 0, max_tokens=7),
+        "no catch-up": first_drafts(g, prompts, 0, catch_up=False),
+    }
+    for name, (tokens, _) in runs.items():
+        assert tokens == ref_tokens, name
+    for name in ("catch-up", "catch-up in pieces of <= 7 tokens"):
+        same, total = agreement(ref, runs[name][1])
+        assert total >= min_compared and same == total, (name, same, total)
+    same, total = agreement(ref, runs["no catch-up"][1])
+    assert total >= min_compared and same < control_below * total, f"without catch-up: {same}/{total} agree"
+
+
 CYCLE = [0, 3, 0, 0, 2, 1, 0, 3, 3, 0]  # k per engine step: in and out of k=0 all the time
 
 

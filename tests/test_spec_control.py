@@ -35,10 +35,9 @@ from engine_debug import (
     CYCLE,
     DebugAsyncVllmGeneration,
     DebugVllmGeneration,
-    agreement,
+    check_catch_up_is_exact,
     check_k_changing_is_lossless,
     debug,
-    first_drafts,
 )
 from rl_specdec.errors import ConfigError
 from rl_specdec.metrics import compute_spec_decode_metrics
@@ -213,19 +212,7 @@ def test_catch_up_restores_the_drafter(eng_fixed, tokenizer):
     from rl_specdec.tasks.sorting import SortingTask
 
     prompts = [tokenizer.encode(s.prompt) for s in SortingTask(min_len=14, max_len=24).make_batch(seed=7, n=32)]
-    ref_tokens, ref = first_drafts(eng_fixed, prompts, 3)
-    runs = {
-        "catch-up": first_drafts(eng_fixed, prompts, 0),
-        "catch-up in pieces of <= 7 tokens": first_drafts(eng_fixed, prompts, 0, max_tokens=7),
-        "no catch-up": first_drafts(eng_fixed, prompts, 0, catch_up=False),
-    }
-    for name, (tokens, _) in runs.items():
-        assert tokens == ref_tokens, name
-    for name in ("catch-up", "catch-up in pieces of <= 7 tokens"):
-        same, total = agreement(ref, runs[name][1])
-        assert total >= 50 and same == total, (name, same, total)
-    same, total = agreement(ref, runs["no catch-up"][1])
-    assert total >= 50 and same < 0.95 * total, f"without catch-up the drafts should differ: {same}/{total}"
+    check_catch_up_is_exact(eng_fixed, prompts, min_compared=50, control_below=0.95)
 
 
 def test_the_self_check_fails_loudly_without_catch_up(eng_fixed):
