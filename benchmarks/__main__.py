@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     cmd = COMMANDS[name]
     sys.argv = [f"python -m benchmarks {name}", *rest]  # the tool's --help and errors name the command
     quiet_console()
+    from rl_specdec.vllm_ext import facts
+
+    facts.use_file()  # what configs are checked against, from this installation's file once written
     status = getattr(importlib.import_module(cmd.module), cmd.function)(rest)
     return status or 0
 

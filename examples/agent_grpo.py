@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     from rl_specdec.metrics.console import configure_console
 
     configure_console("info" if args.verbose else "error")  # before anything imports vLLM
+    from rl_specdec.vllm_ext import facts
+
+    facts.use_file()  # what a config is checked against, read from a file once written
 
     from rl_specdec.config import ClusterConfig, GenerationConfig, PolicyConfig, validate_vllm_kwargs
     from rl_specdec.grpo import ClippedPGLoss

@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     from rl_specdec.metrics.console import configure_console
 
     configure_console("info" if args.verbose else "error")  # before anything imports vLLM
+    from rl_specdec.vllm_ext import facts
+
+    facts.use_file()  # what a config is checked against, read from a file once written: vLLM is not imported here
     from rl_specdec.config import ConfigError, load_config, load_config_as_written, to_yaml
 
     try:

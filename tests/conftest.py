@@ -183,6 +183,8 @@ def ensure_local_ray(num_cpus: int = RAY_TEST_CPUS) -> None:
     helpers, e.g. ``engine_debug``'s worker extension."""
     import ray
 
+    from rl_specdec.rollout.placement import LOCAL_RAY_SYSTEM_CONFIG
+
     if not ray.is_initialized():
         path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH")) if p)
         ray.init(
@@ -191,6 +193,7 @@ def ensure_local_ray(num_cpus: int = RAY_TEST_CPUS) -> None:
             include_dashboard=False,
             log_to_driver=False,
             runtime_env={"env_vars": {"PYTHONPATH": path}},
+            _system_config=LOCAL_RAY_SYSTEM_CONFIG,
         )
 
 

@@ -130,7 +130,8 @@ def _run_grpo(*args, env=None):
 @pytest.fixture
 def print_config(monkeypatch, capsys):
     """examples/run_grpo.py's main(argv) in this process: a child would spend ~20 s importing vLLM again to check
-    the config against its declarations. The console settings main() makes are put back afterwards."""
+    the config against its declarations. The console settings main() makes, and its facts file, are put back
+    afterwards."""
     import importlib.util
     import logging
 
@@ -158,6 +159,10 @@ def print_config(monkeypatch, capsys):
     yield run
     for lg, level in zip(loggers, levels):
         lg.setLevel(level)
+    from rl_specdec.vllm_ext import facts
+
+    facts.use_file(False)  # main() turned the facts file on; the tests' own process asks vLLM live
+    facts.facts_path.cache_clear()
 
 
 def test_print_config_shows_the_config_as_written_and_builds_nothing(tmp_path, print_config):
@@ -166,7 +171,8 @@ def test_print_config_shows_the_config_as_written_and_builds_nothing(tmp_path, p
     assert r.returncode == 0, r.stderr
     assert "model_name: toy:policy" in r.stdout and "method: ngram" in r.stdout and "precision: auto" in r.stdout
     assert "toy:drafter" not in r.stdout
-    assert not cache.exists()  # no toy model was built
+    # no toy model was built: the cache holds at most this vLLM installation's facts (vllm_ext/facts.py)
+    assert not cache.exists() or [p.name for p in cache.iterdir()] == ["vllm-facts"]
     # printing validates: a misspelled key fails, named, on a config this machine could not run either
     r = print_config("--config", str(EAGLE3), "--print-config", "policy.device=cpu", f"{S}.num_speculative_tokenz=3")
     assert r.returncode == 2 and f"{S}.num_speculative_tokenz is not a field of vLLM's SpeculativeConfig" in r.stderr

@@ -150,11 +150,14 @@ def check_runs_here(cfg: RunConfig) -> None:
     """Refuse a speculation method this machine's vLLM backend cannot run (on vLLM's CPU build: draft_model, ngram
     and suffix only; suffix needs arctic-inference). The run's start asks it, not loading: a config for GPUs still
     prints and validates on a CPU machine."""
-    from rl_specdec.config.vllm_kwargs import check_backend_runs
+    from rl_specdec.config.vllm_kwargs import CPU_METHODS, check_backend_runs
     from rl_specdec.vllm_ext.platform import is_cpu
 
     spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
-    check_backend_runs(spec, on_cpu=cfg.policy.device == "cpu" and is_cpu())
+    method = (spec or {}).get("method")
+    # vLLM's platform is asked only where it decides (importing vLLM to ask takes seconds)
+    on_cpu = cfg.policy.device == "cpu" and method is not None and method not in CPU_METHODS and is_cpu()
+    check_backend_runs(spec, on_cpu=on_cpu)
 
 
 def resolve_device_and_dtype(p: PolicyConfig, cuda_available: bool | None = None, cpu_bf16: bool | None = None) -> None:

@@ -171,7 +171,7 @@ def record_environment(run: GRPORun) -> None:
     from rl_specdec.sysinfo import report
 
     gen = run.generation
-    run.metrics.write_file("sysinfo.txt", report())
+    run.metrics.write_file("sysinfo.txt", report(engine=gen.engine_info[0]))
     engines = [
         dict(info["settings"], engine=i, host=p["host"], cores=info["cpu_bind"])
         for i, (info, p) in enumerate(zip(gen.engine_info, gen.placements))

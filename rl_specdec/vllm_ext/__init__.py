@@ -18,6 +18,8 @@ function) lives in one module of this package, and nothing else does:
 ``drafter_kv``     the drafter forward that catches its KV cache up
 ``openai_app``     vLLM's OpenAI app with our renderer and chat handler
 ``head_parity``    vLLM's EAGLE-3 drafter loaded in process, to check the trainer's head against
+``facts``          the version, probe results and declarations a driver reads from a file instead
+                   of importing vLLM (turned on by the command-line entry points)
 =================  ==============================================================
 
 Each of those modules declares ``PROBES``: checks of every name and signature it
@@ -40,6 +42,7 @@ import importlib
 import logging
 
 from rl_specdec.errors import VllmIncompatible
+from rl_specdec.vllm_ext import facts
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +57,23 @@ FEATURES = {  # feature -> the modules whose hooks it uses
 
 
 def installed_version() -> str:
-    import vllm
+    def live() -> str:
+        import vllm
 
-    return str(vllm.__version__)
+        return str(vllm.__version__)
+
+    return str(facts.fact("version", live))
 
 
 @functools.lru_cache(maxsize=None)
 def probe_failures(feature: str) -> tuple[str, ...]:
     """``"module: hook: error"`` for each probe of ``feature`` that fails here (empty: all pass)."""
+    if feature not in FEATURES:
+        raise KeyError(feature)
+    return tuple(facts.fact(f"probe_failures/{feature}", lambda: list(_probe(feature))))
+
+
+def _probe(feature: str) -> tuple[str, ...]:
     out = []
     for name in FEATURES[feature]:
         module = importlib.import_module(f"{__name__}.{name}")

@@ -9,8 +9,12 @@ one module means an upgrade that moves them fails in one place
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import typing
-from typing import Any
+from typing import Any, Callable
+
+from rl_specdec.vllm_ext import facts
 
 
 def _flatten_literal(tp) -> list[str]:
@@ -26,6 +30,20 @@ def _field_names(cls) -> set[str]:
     return set(cls.model_fields)
 
 
+def _declared(kind: Callable[[Any], Any]):
+    """The declaration as ``kind`` (list or set), read from the installation's facts file where the store is on."""
+
+    def wrap(read):
+        @functools.wraps(read)
+        def declared():
+            return kind(facts.fact(f"declarations/{read.__name__}", lambda: sorted(read())))
+
+        return declared
+
+    return wrap
+
+
+@_declared(list)
 def speculative_methods() -> list[str]:
     """Every ``speculative_config.method`` vLLM declares (the ``SpeculativeMethod`` literal)."""
     from vllm.config.speculative import SpeculativeMethod
@@ -33,6 +51,7 @@ def speculative_methods() -> list[str]:
     return sorted(set(_flatten_literal(SpeculativeMethod)))
 
 
+@_declared(set)
 def mtp_methods() -> set[str]:
     """The multi-token-prediction model types vLLM declares (``MTPModelTypes``)."""
     from vllm.config.speculative import MTPModelTypes
@@ -40,12 +59,14 @@ def mtp_methods() -> set[str]:
     return set(_flatten_literal(MTPModelTypes))
 
 
+@_declared(set)
 def speculative_config_fields() -> set[str]:
     from vllm.config.speculative import SpeculativeConfig
 
     return _field_names(SpeculativeConfig)
 
 
+@_declared(set)
 def engine_arg_names() -> set[str]:
     """The fields of ``vllm.engine.arg_utils.EngineArgs``: every key ``vllm.LLM(...)`` takes."""
     from vllm.engine.arg_utils import EngineArgs
@@ -53,6 +74,7 @@ def engine_arg_names() -> set[str]:
     return _field_names(EngineArgs)
 
 
+@_declared(set)
 def async_engine_arg_names() -> set[str]:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -61,17 +83,27 @@ def async_engine_arg_names() -> set[str]:
 
 def parse_speculation_schedule(schedule: list[Any]) -> list[list[int]]:
     """vLLM's own parser of ``num_speculative_tokens_per_batch_size`` (raises ValueError/TypeError on a bad one)."""
-    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
 
-    return [list(e) for e in validate_and_normalize_dynamic_sd_schedule(schedule)]
+    def parse() -> list[list[int]]:
+        from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+        return [list(e) for e in validate_and_normalize_dynamic_sd_schedule(schedule)]
+
+    try:
+        key = json.dumps(schedule)
+    except TypeError:  # not JSON: vLLM's parser says what is wrong with it
+        return parse()
+    return [list(e) for e in facts.fact(f"schedule/{key}", parse)]
 
 
+@_declared(list)
 def tool_call_parsers() -> list[str]:
     from vllm.tool_parsers import ToolParserManager
 
     return sorted(ToolParserManager.list_registered())
 
 
+@_declared(list)
 def reasoning_parsers() -> list[str]:
     from vllm.reasoning import ReasoningParserManager
 
@@ -79,7 +111,8 @@ def reasoning_parsers() -> list[str]:
 
 
 def has_arctic_inference() -> bool:
-    """Whether vLLM's ``suffix`` method can run here (it needs the arctic-inference package)."""
+    """Whether vLLM's ``suffix`` method can run here (it needs the arctic-inference package, which the key does
+    not cover: asked live)."""
     from vllm.utils.import_utils import has_arctic_inference as has
 
     return bool(has())
