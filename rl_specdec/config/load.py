@@ -147,9 +147,9 @@ def check_engine_args(cfg: RunConfig) -> None:
 
 
 def check_runs_here(cfg: RunConfig) -> None:
-    """Refuse a speculation method this machine's vLLM backend cannot run (on vLLM's CPU build: draft_model, ngram
-    and suffix only; suffix needs arctic-inference). The run's start asks it, not loading: a config for GPUs still
-    prints and validates on a CPU machine."""
+    """Refuse a speculation method this machine's vLLM backend cannot run (on vLLM's CPU build: those of
+    ``CPU_METHODS`` only; suffix needs arctic-inference). The run's start asks it, not loading: a config for GPUs
+    still prints and validates on a CPU machine."""
     from rl_specdec.config.vllm_kwargs import CPU_METHODS, check_backend_runs
     from rl_specdec.vllm_ext.platform import is_cpu
 
