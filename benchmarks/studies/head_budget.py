@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     add_out(p, "head_budget")
     args = p.parse_args(argv)
-    runs = [tuple(int(x) for x in r.split("x")) for r in args.runs.split(",")]
+    try:
+        runs = [(int(a), int(s)) for a, s in (r.split("x") for r in args.runs.split(","))]
+    except ValueError:
+        p.error(f"--runs {args.runs!r}: give answers x steps, comma-separated, e.g. --runs 192x400,512x1000")
     if max(a for a, _ in runs) > args.answers:
         p.error(f"--runs {args.runs} asks for more answers than --answers {args.answers}: raise --answers")
     with markdown_report(args.out, "head_budget.md", "The real model's EAGLE-3 head: acceptance against budget") as f:
