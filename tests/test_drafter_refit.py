@@ -65,10 +65,8 @@ def drafter_w(toy, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def eng_none(request, local_ray, toy):
-    g = start_engine(toy.policy, None)
-    request.addfinalizer(g.shutdown)
-    return g
+def eng_none(eng_plain):
+    return eng_plain
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +108,8 @@ def test_drafter_refit_is_lossless_and_equals_a_fresh_engine_with_those_weights(
     assert _greedy(eng_draft, task_prompts)[1] == counters0
 
 
-def test_temperature_one_distribution_after_a_drafter_refit(eng_draft, eng_none, drafter_w, tokenizer, toy):
-    plain = dist_samples(eng_none, tokenizer, seed=1000)
+def test_temperature_one_distribution_after_a_drafter_refit(eng_draft, plain_samples, drafter_w, tokenizer, toy):
+    plain = plain_samples
     eng_draft.update_weights(drafter_w[1], target="drafter")
     try:
         p, per_pos = position_test(plain, dist_samples(eng_draft, tokenizer, seed=2000))

@@ -37,15 +37,13 @@ GREEDY = SamplingSettings(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
 
 
 @pytest.fixture(scope="module")
-def head(toy):
-    from rl_specdec.toy.heads import build_head
-
-    return build_head(toy, log=lambda *_: None)
+def head(toy_head):
+    return toy_head
 
 
 @pytest.fixture(scope="module")
-def eng_none(request, local_ray, toy):
-    return module_engine(request, toy, None)
+def eng_none(eng_plain):
+    return eng_plain
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +83,8 @@ def test_sampled_logprobs_with_a_head_match_transformers(eng_head, task_prompts,
 
 
 @pytest.fixture(scope="module")
-def plain(eng_none, tokenizer):
-    return dist_samples(eng_none, tokenizer, seed=1000)
+def plain(plain_samples):
+    return plain_samples
 
 
 def test_sampled_distribution_with_a_head_equals_plain(plain, eng_head, tokenizer):

@@ -19,7 +19,7 @@ HEAD_ONLINE = [
 
 
 @pytest.fixture(scope="module")
-def online(tmp_path_factory):
+def online(tmp_path_factory, toy_head):  # the run builds toy:eagle3 unless the session did
     d = tmp_path_factory.mktemp("eagle3_online")
     _train(d, "grpo.max_steps=3", *HEAD_ONLINE)
     return d
@@ -38,7 +38,7 @@ def test_the_head_trains_every_step_and_drafts_losslessly(online):
     assert "eagle3" in settings
 
 
-def test_a_resumed_run_serves_and_goes_on_with_the_trained_head(online, tmp_path, monkeypatch, task_prompts):
+def test_a_resumed_run_serves_and_goes_on_with_the_trained_head(online, tmp_path, monkeypatch, task_prompts, toy_head):
     """The policy's checkpoint holds the head, its optimizer and its schedule: a run resumed from step 2 drafts
     with the head of step 2 from its first rollout, and trains it on, not the one built at the start.
 
@@ -51,14 +51,12 @@ def test_a_resumed_run_serves_and_goes_on_with_the_trained_head(online, tmp_path
     from rl_specdec.grpo import loop
     from rl_specdec.heads.eagle3 import load_head
     from rl_specdec.rollout import group
-    from rl_specdec.toy.build import build_toy_models
-    from rl_specdec.toy.heads import build_head
 
     d = tmp_path / "resumed"
     shutil.copytree(online, d, ignore=shutil.ignore_patterns("wandb"))
     shutil.rmtree(d / "checkpoints" / "step_000003")
     saved = load_head(d / "checkpoints" / "step_000002" / "policy" / "head").vllm_state_dict()
-    built = load_head(build_head(build_toy_models(), log=lambda *_: None)).vllm_state_dict()
+    built = load_head(toy_head).vllm_state_dict()
     assert not torch.equal(saved["fc.weight"], built["fc.weight"])  # it learned in steps 1-2
 
     drafts = {}
@@ -75,7 +73,7 @@ def test_a_resumed_run_serves_and_goes_on_with_the_trained_head(online, tmp_path
 
     import ray
 
-    from conftest import ensure_local_ray
+    from shared_ray import ensure_local_ray
 
     # the debug RPC that records drafts, in workers that can import it (a Ray already started is joined)
     ray.shutdown()

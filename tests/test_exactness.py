@@ -89,7 +89,7 @@ def test_a_saved_run_resumes_with_its_settings_and_every_token(tmp_path):
 def exactness_ray():
     import ray
 
-    from conftest import ensure_local_ray
+    from shared_ray import ensure_local_ray
 
     ray.shutdown()
     importable()  # the engines load exactness_engine's extension by name
@@ -110,11 +110,8 @@ def engine(request, exactness_ray, toy):
 
 
 @pytest.fixture(scope="module")
-def head_engine(request, exactness_ray, toy):
-    from rl_specdec.toy.heads import build_head
-
-    head = build_head(toy, log=lambda *_: None)
-    return _engine(request, toy.policy, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+def head_engine(request, exactness_ray, toy, toy_head):
+    return _engine(request, toy.policy, {"method": "eagle3", "model": str(toy_head), "num_speculative_tokens": 3})
 
 
 @pytest.fixture(scope="module")

@@ -52,8 +52,8 @@ GREEDY = SamplingSettings(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
 
 
 @pytest.fixture(scope="module")
-def eng_none(request, local_ray, toy):
-    return module_engine(request, toy, None)
+def eng_none(eng_plain):
+    return eng_plain
 
 
 @pytest.fixture(scope="module")
@@ -195,11 +195,6 @@ def test_identical_drafter_accepts_everything_sampled(eng_self, tokenizer):
 
 
 # ---- temperature 1: the emitted tokens follow the policy's distribution ----------------------------
-
-
-@pytest.fixture(scope="module")
-def plain_samples(eng_none, tokenizer):
-    return dist_samples(eng_none, tokenizer, seed=1000)
 
 
 def test_distribution_test_has_randomness(plain_samples):

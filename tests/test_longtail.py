@@ -61,14 +61,14 @@ def test_tokenizer_has_one_token_per_countdown_number():
 
 
 @pytest.mark.integration
-def test_longtail_pair_samples_heavy_tailed_lengths(local_ray):
+def test_longtail_pair_samples_heavy_tailed_lengths(local_ray, longtail_pair):
     """The built pair on a real engine: sampled lengths have a long tail, rollouts score, the drafter is accepted."""
     from conftest import draft_spec, start_engine
     from rl_specdec.metrics import compute_spec_decode_metrics
     from rl_specdec.rollout import SamplingSettings
-    from rl_specdec.toy.longtail import build_longtail_models, build_longtail_tokenizer
+    from rl_specdec.toy.longtail import build_longtail_tokenizer
 
-    toy, tok, task = build_longtail_models(log=lambda *_: None), build_longtail_tokenizer(), LongTailSortTask()
+    toy, tok, task = longtail_pair, build_longtail_tokenizer(), LongTailSortTask()
     samples = task.make_batch(seed=1, n=16)
     g = start_engine(toy.policy, draft_spec(toy.drafter, k=4), max_model_len=512, kv_cache_memory_bytes=1 << 30)
     try:

@@ -12,8 +12,6 @@ against transformers' own sampling, with a negative control) and through a head 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from conftest import DIST_SAMPLES, NGRAM, hf_greedy, hf_token_logprobs, position_test, start_engine
@@ -68,12 +66,8 @@ def server(request, local_ray, smollm2):
 
 
 @pytest.fixture(scope="module")
-def head(smollm2):
-    from rl_specdec.toy.heads import CHAT_HEAD, build_chat_head
-
-    return build_chat_head(
-        smollm2, dataclasses.replace(CHAT_HEAD, pool=1, steps=24, chain_steps=1), log=lambda *_: None
-    )
+def head(smollm2_head):
+    return smollm2_head
 
 
 @pytest.fixture(scope="module")

@@ -51,8 +51,8 @@ GREEDY = SamplingSettings(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def eng_none(request, local_ray, toy):
-    return module_engine(request, toy, None)
+def eng_none(eng_plain):
+    return eng_plain
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +101,6 @@ def eng_ngram(request, local_ray, toy):
 @pytest.fixture(scope="module")
 def none_greedy(eng_none, task_prompts):
     return eng_none.generate(task_prompts, GREEDY).token_ids
-
-
-@pytest.fixture(scope="module")
-def plain_samples(eng_none, tokenizer):
-    return dist_samples(eng_none, tokenizer, seed=1000)
 
 
 def drafts_per_draft(out) -> float:

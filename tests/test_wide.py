@@ -63,10 +63,8 @@ SPEC_K4 = 4
 
 
 @pytest.fixture(scope="module")
-def wide():
-    from rl_specdec.toy.wide import build_wide_models
-
-    return build_wide_models(log=lambda *_: None)
+def wide(wide_pair):
+    return wide_pair
 
 
 @pytest.fixture(scope="module")
@@ -125,14 +123,13 @@ def wide_draft(request, local_ray, wide):
 
 
 @pytest.mark.integration
-def test_built_wide_target_computes_the_long_tail_target(hf_wide, wide_prompts, hf_wide_greedy):
+def test_built_wide_target_computes_the_long_tail_target(hf_wide, wide_prompts, hf_wide_greedy, longtail_pair):
     """At build, the wide target's log-probs and greedy tokens are the long-tail target's."""
     from transformers import AutoModelForCausalLM
 
     from conftest import hf_greedy
-    from rl_specdec.toy.longtail import build_longtail_models
 
-    narrow = AutoModelForCausalLM.from_pretrained(build_longtail_models(log=lambda *_: None).policy).eval()
+    narrow = AutoModelForCausalLM.from_pretrained(longtail_pair.policy).eval()
     assert sum(p.numel() for p in hf_wide.parameters()) > 20 * sum(p.numel() for p in narrow.parameters())
     for p in wide_prompts:
         torch.testing.assert_close(_logits(hf_wide, p), _logits(narrow, p), rtol=0, atol=1e-4)

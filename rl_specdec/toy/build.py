@@ -20,6 +20,9 @@ into place, so an interrupted build never leaves a half-written model behind.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import fcntl
 import hashlib
 import json
 import os
@@ -27,6 +30,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -100,9 +104,56 @@ def cached_pair(folder: str, cfg, root: Path | None, make, log) -> ToyModels:
     """A pair's folders: ``root``, or ``<cache>/<folder>/<cfg.key()>``; ``make(path, cfg, log)`` builds them
     the first time (it ends with the ``DONE`` file)."""
     out = ToyModels(Path(root) if root else cache_root() / folder / cfg.key())
-    if not (out.root / "DONE").exists():
-        make(out.root, cfg, log)
+    build_once(out.root, lambda path: make(path, cfg, log), f"{folder} pair", log)
     return out
+
+
+class BuildBusy(Exception):
+    """Another process holds the build lock of a folder, and the caller asked not to wait (:func:`not_waiting`)."""
+
+
+_WAIT = contextvars.ContextVar("rl_specdec_build_wait", default=True)
+
+
+@contextlib.contextmanager
+def not_waiting():
+    """Within this block, :func:`build_once` raises :class:`BuildBusy` for a folder that another process is
+    building, instead of waiting for it (a caller with other builds to do takes those first)."""
+    token = _WAIT.set(False)
+    try:
+        yield
+    finally:
+        _WAIT.reset(token)
+
+
+def build_once(root: Path, make: Callable[[Path], None], what: str, log: Callable[[str], None] = print) -> Path:
+    """``root``, built by ``make(root)`` the first time (``make`` ends with the ``DONE`` file).
+
+    One process builds a folder at a time: a second one that needs it waits on a lock file beside it, then finds
+    it built. So two runs started together, or two test workers, never build the same model twice; a build that
+    fails leaves the lock free and no folder, and the next caller builds it again. ``what`` names the build in the
+    two progress lines ``log`` gets: its start, and the seconds it took.
+    """
+    root = Path(root)
+    if (root / "DONE").exists():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    # the lock files sit apart, in the cache's own folder: a folder of models holds only whole models
+    locks = cache_root() / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+    with open(locks / f"{root.name}-{name}.lock", "w") as lock:
+        try:  # released when the file closes, or when the process dies
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if _WAIT.get() else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise BuildBusy(what) from None
+        if (root / "DONE").exists():  # built by the process we waited for
+            return root
+        t0 = time.time()
+        log(f"[build] {what}: building into {root} (first use only)")
+        make(root)
+        log(f"[build] {what}: built in {time.time() - t0:.0f}s")
+    return root
 
 
 def build_tokenizer():
@@ -208,15 +259,12 @@ def train_lm(model, batches, pad_id: int, lr: float, steps: int, seed: int, teac
 
 def build_toy_models(cfg: ToyBuildConfig | None = None, root: Path | None = None, log=print) -> ToyModels:
     """Return the toy models' folders, building them the first time (cached)."""
-    cfg = cfg or ToyBuildConfig()
-    root = Path(root) if root else cache_root() / "toy" / cfg.key()
-    out = ToyModels(root)
-    if (root / "DONE").exists():
-        return out
+    return cached_pair("toy", cfg or ToyBuildConfig(), root, _build_digits, log)
+
+
+def _build_digits(root: Path, cfg: ToyBuildConfig, log) -> None:
     tokenizer = build_tokenizer()
-    log(f"[toy] building the toy policy and drafter into {root} (first run only, ~2 min)")
     build_pair(root, cfg, tokenizer, lambda rng: _sft_batch(rng, cfg, tokenizer), log)
-    return out
 
 
 def build_pair(root: Path, cfg: PairBuildConfig, tokenizer, batches, log=print, model_config=None, check=None) -> None:
@@ -258,7 +306,6 @@ def build_pair(root: Path, cfg: PairBuildConfig, tokenizer, batches, log=print, 
         (tmp / "DONE").write_text(f"{time.time() - t0:.1f}s\n")
 
     write_atomically(root, write)
-    log(f"[toy] built in {time.time() - t0:.0f}s")
 
 
 def write_atomically(root: Path, write) -> None:
@@ -286,16 +333,19 @@ def build_untrained_drafter(models: ToyModels, seed: int = 12345) -> Path:
     out = models.root / "drafter-untrained"
     if (out / "DONE").exists():
         return out
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(AutoConfig.from_pretrained(models.drafter))
 
-    def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True)
-        build_tokenizer().save_pretrained(tmp)
-        (tmp / "DONE").write_text("random init\n")
+    def make(root: Path) -> None:
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(AutoConfig.from_pretrained(models.drafter))
 
-    write_atomically(out, write)
-    return out
+        def write(tmp: Path) -> None:
+            model.save_pretrained(tmp, safe_serialization=True)
+            build_tokenizer().save_pretrained(tmp)
+            (tmp / "DONE").write_text("random init\n")
+
+        write_atomically(root, write)
+
+    return build_once(out, make, "the untrained toy drafter", log=lambda *_: None)
 
 
 if __name__ == "__main__":

@@ -154,25 +154,24 @@ def cached_head(policy: Path, root: Path, make_batches, cfg: HeadBuildConfig, lo
 
     settings = {k: v for k, v in asdict(cfg).items() if k not in NEW_FIELDS or NEW_FIELDS[k] != v}
     out = Path(root) / f"eagle3-{build.config_key({'v': HEAD_BUILD_VERSION, **settings})}"
-    if (out / "DONE").exists():
-        return out
-    t0 = time.time()
-    log(f"[heads] building an EAGLE-3 head for {policy} ({cfg.steps} training steps, first run only)")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    try:
-        target = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
-        head = train_head(target, make_batches(target), cfg, log)
-    finally:
-        torch.set_num_threads(threads)
 
-    def write(tmp: Path) -> None:
-        save_head(head, tmp)
-        (tmp / "DONE").write_text(f"{time.time() - t0:.1f}s\n")
+    def make(root: Path) -> None:
+        t0 = time.time()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(os.cpu_count() or 1)
+        try:
+            target = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
+            head = train_head(target, make_batches(target), cfg, log)
+        finally:
+            torch.set_num_threads(threads)
 
-    build.write_atomically(out, write)
-    log(f"[heads] EAGLE-3 head built in {time.time() - t0:.0f}s")
-    return out
+        def write(tmp: Path) -> None:
+            save_head(head, tmp)
+            (tmp / "DONE").write_text(f"{time.time() - t0:.1f}s\n")
+
+        build.write_atomically(root, write)
+
+    return build.build_once(out, make, f"the EAGLE-3 head of {Path(policy).name} ({cfg.steps} steps)", log)
 
 
 # the real model's head: its own layer's width, its own sampled answers to the chat task (one-sentence replies),

@@ -100,7 +100,6 @@ def build_longtail_models(cfg: LongTailToyConfig | None = None, root: Path | Non
 
 def _build(root: Path, cfg: LongTailToyConfig, log) -> None:
     tokenizer = build_longtail_tokenizer()
-    log(f"[toy] building the long-tail policy and drafter into {root} (first run only, ~3 min)")
     counter = [0]  # batches drawn so far: every FULL_EVERY-th keeps its examples whole
     vocab, eos, pad = model_vocab_size(), tokenizer.eos_token_id, tokenizer.pad_token_id
     build.build_pair(

@@ -23,12 +23,12 @@ model's own answers to the chat task) and named where a drafter goes.
 from __future__ import annotations
 
 import importlib.metadata
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rl_specdec.config.models import HEAD_SUFFIX, PKG_PREFIX, PackagedModel, find_gguf, packaged_model
 from rl_specdec.errors import ConfigError
-from rl_specdec.toy.build import cache_root, write_atomically
+from rl_specdec.toy.build import build_once, cache_root, write_atomically
 
 BUILD_VERSION = 1  # bump when the conversion changes: a new cache folder
 
@@ -62,9 +62,11 @@ def _convert(gguf: Path, model: PackagedModel, key: str, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def packaged_model_path(name: str, key: str, build: bool = True) -> str:
+def packaged_model_path(name: str, key: str, build: bool = True, log: Callable[[str], None] | None = None) -> str:
     """The Hugging Face folder of ``pkg:<name>``, converted the first time; ``build=False`` only checks that
-    the package is installed and returns ``name`` unchanged."""
+    the package is installed and returns ``name`` unchanged. ``log`` gets the builds' progress lines (default:
+    printed)."""
+    log = log or (lambda m: print(m, flush=True))
     model = packaged_model(name, key)
     gguf = find_gguf(model, key)
     if not build:
@@ -72,17 +74,14 @@ def packaged_model_path(name: str, key: str, build: bool = True) -> str:
     base = name.removesuffix(HEAD_SUFFIX)
     tag = f"{base[len(PKG_PREFIX) :]}-{_version(model)}-{gguf.stat().st_size}-v{BUILD_VERSION}"
     root = cache_root() / "packaged" / tag
-    if not (root / "DONE").exists():
-        t0 = time.time()
 
-        def write(tmp: Path) -> None:
-            _convert(gguf, model, key, tmp)
-            (tmp / "DONE").write_text(f"{gguf}\n")
+    def write(tmp: Path) -> None:
+        _convert(gguf, model, key, tmp)
+        (tmp / "DONE").write_text(f"{gguf}\n")
 
-        write_atomically(root, write)
-        print(f"[{base}] dequantised {gguf.name} into {root} in {time.time() - t0:.0f}s", flush=True)
+    build_once(root, lambda out: write_atomically(out, write), f"{base}: dequantising {gguf.name}", log)
     if name.endswith(HEAD_SUFFIX):
         from rl_specdec.toy.heads import build_chat_head
 
-        return str(build_chat_head(root, log=lambda m: print(m, flush=True)))
+        return str(build_chat_head(root, log=log))
     return str(root)

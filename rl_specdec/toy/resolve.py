@@ -45,7 +45,7 @@ def _folder(name: str, key: str, toy_paths, log: Callable[[str], None]) -> str:
     from rl_specdec.toy.packaged import packaged_model_path
 
     if name.startswith(PKG_PREFIX):  # a model shipped in a PyPI package, converted once into a cached folder
-        return packaged_model_path(name, key)
+        return packaged_model_path(name, key, log=log)
     toy = toy_model(name, key)
     if toy is not None:
         pair, attr = toy
@@ -59,6 +59,12 @@ def _folder(name: str, key: str, toy_paths, log: Callable[[str], None]) -> str:
     if looks_local and not Path(os.path.expanduser(name)).is_dir():
         raise ConfigError(f"{key}={name!r} is not a directory; give a local Hugging Face model folder or a hub id")
     return os.path.expanduser(name) if looks_local else name
+
+
+def model_folder(name: str, log: Callable[[str], None] | None = None) -> str:
+    """The folder of one model name (``toy:*``, ``pkg:*``, a local folder or a hub id), built the first time."""
+    log = log or (lambda m: print(m, flush=True))
+    return _folder(name, "model", _toy_pairs(log), log)
 
 
 def prepare_models(cfg: RunConfig, log: Callable[[str], None] | None = None) -> RunConfig:

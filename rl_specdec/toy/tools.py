@@ -44,7 +44,7 @@ from rl_specdec.toy.build import (
     PairBuildConfig,
     ToyModels,
     build_pair,
-    cache_root,
+    cached_pair,
     pad_batch,
     qwen2_config,
 )
@@ -184,10 +184,9 @@ def build_tool_toy(cfg: ToolToyConfig | None = None, root: Path | None = None, l
 
     ``policy_steps=0`` gives random weights (seconds; the tests force outputs with a regex).
     """
-    cfg = cfg or ToolToyConfig()
-    root = Path(root) if root else cache_root() / "tool_toy" / cfg.key()
-    if not (root / "DONE").exists():
-        tok = build_tool_tokenizer()
-        log(f"[tool toy] building the tool-calling policy and drafter into {root} (first use only)")
-        build_pair(root, cfg, tok, _SftBatches(cfg, tok), log, model_config=_model_config, check=check_saved_tokenizer)
-    return ToyModels(root)
+    return cached_pair("tool_toy", cfg or ToolToyConfig(), root, _build, log)
+
+
+def _build(root: Path, cfg: ToolToyConfig, log) -> None:
+    tok = build_tool_tokenizer()
+    build_pair(root, cfg, tok, _SftBatches(cfg, tok), log, model_config=_model_config, check=check_saved_tokenizer)

@@ -141,7 +141,6 @@ def _build(root: Path, cfg: WideToyConfig, log) -> None:
 
     source = build_longtail_models(cfg.source, log=log)
     t0 = time.time()
-    log(f"[toy] building the wide pair into {root} (first run only, ~1 min)")
     narrow = Qwen2ForCausalLM.from_pretrained(source.policy, dtype=torch.float32).eval()
     wide = widen(narrow, cfg)
     log(f"[toy] wide policy: {sum(p.numel() for p in wide.parameters()) / 1e6:.1f}M parameters (widened)")
