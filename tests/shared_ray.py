@@ -5,8 +5,8 @@ transformers and vLLM into a new process), so each file starting its own was a l
 
 * :func:`ensure_local_ray` starts the worker's test instance (RAY_TEST_CPUS logical CPUs, the tests folder on the
   workers' path); the ``local_ray`` fixture joins it, and the next file that asks for it finds it up;
-* a file that asks for no ``local_ray`` (its GRPO runs start Ray with the host's cores, or it builds a cluster of
-  its own) starts without any Ray up, as before;
+* an integration file that asks for no ``local_ray`` (its GRPO runs start Ray with the host's cores, or it builds a
+  cluster of its own) starts without any Ray up, as before; a file of unit tests leaves the instance as it is;
 * after each file, a Ray that is not the test instance, or one that holds anything the file started and left
   (an actor or a placement group that no shared engine owns), is shut down, so no file inherits another's leftovers;
 * :func:`shared_engine` hands out one engine per setting per worker, for the files whose tests only read from it
@@ -89,18 +89,24 @@ def _shutdown() -> None:
     _engines.clear()  # they died with it
 
 
-def _wants_local_ray(module) -> bool:
-    return any("local_ray" in item.fixturenames for item in module.session.items if item.module is module.obj)
+def _starts_its_own_ray(module) -> bool:
+    """An integration file that asks for no ``local_ray``: its runs start Ray in this process with the host's
+    cores, or it builds a cluster of its own. A file of unit tests never touches Ray, and keeps the test instance
+    up for the next file that asks for it."""
+    items = [item for item in module.session.items if item.module is module.obj]
+    return not any("local_ray" in item.fixturenames for item in items) and any(
+        item.get_closest_marker("integration") for item in items
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_per_module(request):
-    """A file that asks for no ``local_ray`` starts with no Ray up (its runs start their own); after each file,
+    """A file whose runs start their own Ray starts with no Ray up (:func:`_starts_its_own_ray`); after each file,
     any Ray but a clean test instance is shut down, so the next file never inherits a Ray sized (or filled) by
     another: a GRPO run starts Ray with the host's cores, and an engine after it would find no CPU to reserve."""
     import ray
 
-    if ray.is_initialized() and not _wants_local_ray(request.node):
+    if ray.is_initialized() and _starts_its_own_ray(request.node):
         _shutdown()
     yield
     if ray.is_initialized() and (not _is_test_ray() or _leftovers()):

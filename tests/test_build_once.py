@@ -87,3 +87,12 @@ def test_a_failed_build_leaves_no_folder_and_the_next_caller_builds_it(tmp_path)
     build_once(root, _make(tmp_path / "log"), "the model", log=lines.append)
     assert (root / "DONE").exists()
     assert lines[-1].startswith("[build] the model: built in") and "building into" in lines[-2]
+
+
+def test_the_prebuild_command_names_a_model_it_does_not_know_and_the_ones_it_does(capsys):
+    from rl_specdec.toy.prebuild import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["toy:nope"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "toy:nope" in err and "toy:wide-policy" in err and "Traceback" not in err

@@ -65,11 +65,17 @@ def prebuild(names: Iterable[str] = EVERY, log: Callable[[str], None] = print) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from rl_specdec.errors import ConfigError
+
+    ap = argparse.ArgumentParser(prog="python -m rl_specdec.toy.prebuild", description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", default=list(EVERY), help=f"model names (default: {' '.join(EVERY)})")
     args = ap.parse_args(argv)
     t0 = time.time()
-    for name, folder in prebuild(args.names, log=lambda m: print(m, flush=True)).items():
+    try:
+        folders = prebuild(args.names, log=lambda m: print(m, flush=True))
+    except ConfigError as e:
+        ap.error(str(e))
+    for name, folder in folders.items():
         print(f"{name}: {folder}")
     print(f"ready in {time.time() - t0:.0f}s")
     return 0
