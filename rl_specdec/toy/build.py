@@ -129,9 +129,10 @@ def not_waiting():
 def build_once(root: Path, make: Callable[[Path], None], what: str, log: Callable[[str], None] = print) -> Path:
     """``root``, built by ``make(root)`` the first time (``make`` ends with the ``DONE`` file).
 
-    One process builds a folder at a time: a second one that needs it waits on a lock file beside it, then finds
-    it built. So two runs started together, or two test workers, never build the same model twice; a build that
-    fails leaves the lock free and no folder, and the next caller builds it again. ``what`` names the build in the
+    One process builds a folder at a time: a second one that needs it waits on the folder's lock file (in the
+    cache's ``.locks``), then finds it built. So two runs started together, or two test workers, never build the
+    same model twice; a build that fails leaves the lock free and no folder, and the next caller builds it again.
+    ``what`` names the build in the
     two progress lines ``log`` gets: its start, and the seconds it took.
     """
     root = Path(root)
