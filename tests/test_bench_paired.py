@@ -9,7 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.grpo.paired import PairedGeneration, lengths_line, step_rows, summarise
+from benchmarks.grpo.paired import HeadFreeTiming, PairedGeneration
+from benchmarks.grpo.paired_account import (
+    builds_line,
+    drafter_seconds,
+    lengths_line,
+    step_rows,
+    step_s,
+    summarise,
+    trained_drafter,
+)
 from benchmarks.rollout.batch_sweep import DEFAULT_VARIANTS, best_k, parse_variants, schedule
 
 
@@ -31,7 +40,7 @@ class FakeGroup:
 def test_every_variant_generates_the_same_call_and_takes_every_refit_and_the_trained_output_is_returned():
     base, spec = FakeGroup(3), FakeGroup(5)
     paired = PairedGeneration("none", base, {"spec": spec})
-    rollout = SimpleNamespace(temperature=1.0, seed=7)
+    rollout = SimpleNamespace(temperature=1.0, seed=7, logprobs=0)
     out = paired.generate([[1, 2], [3]], rollout)
     assert base.calls == spec.calls == [([[1, 2], [3]], rollout)]
     assert out.token_ids == [[1] * 3, [1] * 3]  # the trained group's samples are the ones trained on
@@ -58,7 +67,7 @@ def test_the_order_rotates_by_call():
 
     paired = PairedGeneration("a", Named("a"), {"b": Named("b"), "c": Named("c")})
     for _ in range(3):
-        paired.generate([[1]], SimpleNamespace(temperature=1.0))
+        paired.generate([[1]], SimpleNamespace(temperature=1.0, logprobs=0))
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
 
 
@@ -68,8 +77,11 @@ def _rec(base_s, var_s):
 
 def test_step_ratio_shares_the_rest_and_stays_under_amdahls_bound():
     # generation 10 s against 5 s, the rest of the step 30 s: the wall time holds both generations
-    rows = {0: step_rows([_rec(10.0, 5.0)] * 2, [45.0] * 2), 1: step_rows([_rec(10.0, 4.0)], [44.0])}
-    assert rows[0][0]["rest_s"] == pytest.approx(30.0)
+    rows = {
+        0: step_rows([_rec(10.0, 5.0)] * 2, [45.0] * 2, [0.0] * 2, "none"),
+        1: step_rows([_rec(10.0, 4.0)], [44.0], [0.0], "none"),
+    }
+    assert rows[0][0]["shared_s"] == pytest.approx(30.0)
     (s,) = summarise(rows, ["none", "spec"])
     assert s["generation"] == pytest.approx(30 / 14)
     assert s["generation_per_seed"] == {0: pytest.approx(2.0), 1: pytest.approx(2.5)}
@@ -82,7 +94,7 @@ def test_step_ratio_shares_the_rest_and_stays_under_amdahls_bound():
 
 
 def test_an_interval_over_equal_ratios_is_a_point_and_a_slower_variant_reads_below_one():
-    rows = {0: step_rows([_rec(4.0, 5.0)] * 3, [39.0] * 3)}
+    rows = {0: step_rows([_rec(4.0, 5.0)] * 3, [39.0] * 3, [0.0] * 3, "none")}
     (s,) = summarise(rows, ["none", "spec"])
     mean, lo, hi = s["generation_per_step"]
     assert mean == pytest.approx(0.8) and lo == pytest.approx(0.8) and hi == pytest.approx(0.8)
@@ -132,3 +144,84 @@ def test_the_report_gives_each_steps_rollout_lengths_per_seed():
     rows = {0: [{"lengths": [88.0, 384.0, 384.0]}, {"lengths": [66.0, 248.0, 384.0]}], 1: [{"lengths": [96, 384, 384]}]}
     line = lengths_line(rows)
     assert line.endswith("seed 0: 88/384/384, 66/248/384; seed 1: 96/384/384")
+
+
+# ---- every variant charged its own drafter work --------------------------------------------------------
+def _charged_row():
+    # trained on "spec", whose drafter worked 4 s of the step: 50 s = none's 10 + spec's 5 + shared 31 + 4
+    return step_rows([_rec(10.0, 5.0)], [50.0], [4.0], "spec")[0]
+
+
+def _assert_baseline_pays_no_drafter_work(step_of) -> None:
+    row = _charged_row()
+    assert step_of(row, "none") == pytest.approx(10.0 + 31.0)  # its generation and the shared phases, no drafter
+    assert step_of(row, "spec") == pytest.approx(5.0 + 31.0 + 4.0)
+
+
+def test_the_baselines_step_holds_no_drafter_work():
+    _assert_baseline_pays_no_drafter_work(step_s)
+
+
+def test_negative_control_the_old_accounting_charges_the_drafter_to_the_baseline():
+    def shared_rest(row, name):  # what the benchmark did before: the trained run's whole rest in every step
+        return row["shared_s"] + trained_drafter(row) + row[name]["s"]
+
+    with pytest.raises(AssertionError):
+        _assert_baseline_pays_no_drafter_work(shared_rest)
+
+
+def test_the_drafters_work_lowers_the_step_ratio_and_the_bound_counts_it():
+    (s,) = summarise({0: [_charged_row()]}, ["none", "spec"])
+    assert s["generation"] == pytest.approx(2.0)
+    assert s["step"] == pytest.approx(41 / 40)  # against (31 + 10) / (31 + 5) = 1.14x with the drafter shared
+    assert s["step_drafter_shared"] == pytest.approx(45 / 40)
+    assert s["amdahl_bound"] == pytest.approx(s["step"])  # the bound at this generation, the drafter paid
+    assert s["ceiling"] == pytest.approx(41 / 35)  # generation free, the drafter still paid
+    assert s["drafter_s_per_step"] == pytest.approx(4.0) and s["drafter_share"] == pytest.approx(4 / 41)
+
+
+def test_the_heads_part_of_the_update_is_the_difference_on_the_same_batch_plus_its_optimizer():
+    row = {
+        "train/forward_backward_s": 10.0,
+        "drafter/optimizer_s": 0.5,
+        "timing/drafter_wait": 0.1,
+        "timing/drafter_refit": 0.4,
+    }
+    assert drafter_seconds(row, 7.0) == pytest.approx(3.0 + 0.5 + 0.1 + 0.4)
+    assert drafter_seconds(row, 12.0) == pytest.approx(0.5 + 0.1 + 0.4)  # noise never makes it negative
+    assert drafter_seconds(row, None) == pytest.approx(0.5)  # no head: the wait and the refit only
+    assert drafter_seconds({}, None) == 0.0  # no drafter work at all
+
+
+def test_the_head_free_pass_runs_before_the_update_on_its_batch_and_is_timed_apart():
+    calls = []
+
+    class Policy:
+        def forward_backward_time(self, batch, loss_fn):
+            calls.append(("apart", batch))
+            return 7.0
+
+        def train_step(self, batch, loss_fn):
+            calls.append(("update", batch))
+            return {"forward_backward_s": 10.0}
+
+        def state_dict_buckets(self):
+            return "buckets"
+
+    timed = HeadFreeTiming(Policy())
+    assert timed.train_step("b", None) == {"forward_backward_s": 10.0}
+    assert calls == [("apart", "b"), ("update", "b")] and timed.forward_backward_s == 7.0 and timed.wall_s > 0
+    assert timed.state_dict_buckets() == "buckets"
+
+
+def test_other_variants_sample_without_the_trained_drafters_log_probs():
+    from rl_specdec.rollout import SamplingSettings
+
+    base, spec = FakeGroup(3), FakeGroup(5)
+    PairedGeneration("spec", spec, {"none": base}).generate([[1]], SamplingSettings(max_tokens=4, logprobs=8))
+    assert spec.calls[0][1].logprobs == 8 and base.calls[0][1].logprobs == 0
+
+
+def test_first_use_builds_are_reported_once_with_unknowns_named():
+    line = builds_line({"toy:wide-eagle3": 243.4, "toy:wide-policy": None}, "AMD EPYC 2c AVX-512")
+    assert "toy:wide-eagle3 243 s" in line and "toy:wide-policy not recorded" in line and "AVX-512" in line

@@ -8,13 +8,17 @@ takes every refit the run's engines take (the same buckets, verified), so at eve
 trainer's weights, and it generates every rollout call of the step: the same prompts, the same sampling settings
 and seeds, in an order that rotates by step. Validation runs on the trained run's engines alone.
 
-The phases other than generation (rewards, the update, the refit, the drafter's upkeep) are the trained run's,
-and shared: a variant's step is that time plus its own generation. So a step's ratio is what the variant's
-generation changes, and nothing else. Per variant, against the baseline (the first variant):
+The phases other than generation (rewards, the policy's update, its refit) are the trained run's, and shared. The
+drafter's work is not: the trained variant's (its head's part of the update, measured apart on the same batch, its
+drafter's wait and refit) is charged to it alone, and a variant whose drafter does not train pays none
+(:mod:`benchmarks.grpo.paired_account`). A variant whose drafter would train online must be the trained one.
+Each variant's first-use builds are reported once, apart from the steps. Per variant, against the baseline (the
+first variant):
 
 * the generation speed-up of each step (the baseline's seconds over the variant's) and of each seed (pooled:
   seconds summed over steps), with a 95% interval over the steps of all seeds (a t-interval on log ratios);
-* the step speed-up, and the bound Amdahl's law sets on it from generation's share of the baseline's step;
+* the step speed-up with every variant's own costs in, the bound Amdahl's law sets on it from generation's share
+  of the baseline's step and the variant's drafter work, and that work's seconds a step;
 * generated tokens (lossless in distribution, not sample by sample: they differ by chance), acceptance length.
 
 and, per step, the trained run's rollout lengths (median, p90, max): how much of each call is a long tail.
@@ -29,16 +33,24 @@ Writes ``paired.json`` (every step of every variant) and ``paired.md`` to ``--ou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
-import statistics
 import sys
 import time
 from pathlib import Path
 
 from benchmarks import bench_common
 from benchmarks.bench_common import log
-from benchmarks.rollout.batch_sweep import KV, add_counter, variants_or_exit
+from benchmarks.grpo.paired_account import (
+    LENGTHS,
+    builds_line,
+    drafter_seconds,
+    lengths_line,
+    step_rows,
+    summarise,
+    table,
+)
+from benchmarks.rollout.batch_sweep import KV, variants_or_exit
 
 DEFAULT_VARIANTS = "none: configs/smollm2_base.yaml; shipped: configs/smollm2_spec.yaml"
 # the trained run: no validation and no checkpoints (neither is timed), no pipelining (the steps must be whole)
@@ -62,9 +74,11 @@ class PairedGeneration:
         names = list(self.groups)
         shift = len(self.calls) % len(names)
         record, out = {}, None
+        # only the trained variant's drafter trains: no other group returns (and pays for) its top-k log-probs
+        plain = dataclasses.replace(sampling, logprobs=0) if sampling.logprobs else sampling
         for name in names[shift:] + names[:shift]:
             t0 = time.perf_counter()
-            res = self.groups[name].generate(prompt_token_ids, sampling)
+            res = self.groups[name].generate(prompt_token_ids, sampling if name == self.trained_name else plain)
             record[name] = {
                 "s": time.perf_counter() - t0,
                 "tokens": sum(len(ids) for ids in res.token_ids),
@@ -97,94 +111,60 @@ class PairedGeneration:
         return getattr(self.trained, name)
 
 
-def step_rows(calls: list[dict[str, dict]], walls: list[float]) -> list[dict]:
-    """Per step: every variant's generation seconds, and the shared rest (the step's wall time, less the other
-    groups' refits, less every variant's generation)."""
-    rows = []
-    for i, (rec, wall) in enumerate(zip(calls, walls)):
-        rest = wall - sum(v["s"] for v in rec.values())
-        rows.append({"step": i + 1, "rest_s": rest, **{n: v for n, v in rec.items()}})
-    return rows
+class HeadFreeTiming:
+    """The trained run's policy group in its place: before each update whose head trains, the same batch's
+    forwards and backwards run once more without the head (nothing steps), timed, so the head's part of the
+    update is measured on the batch it learnt from. Anything else is the policy's."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.forward_backward_s: float | None = None  # the last update's, without the head
+        self.wall_s = 0.0  # seconds the extra passes took (the benchmark's work, in no variant's step)
+
+    def train_step(self, batch, loss_fn):
+        t0 = time.perf_counter()
+        self.forward_backward_s = self.policy.forward_backward_time(batch, loss_fn)
+        self.wall_s += time.perf_counter() - t0
+        return self.policy.train_step(batch, loss_fn)
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
 
 
-def interval(ratios: list[float]) -> tuple[float, float, float]:
-    """(geometric mean, low, high): a 95% t-interval on the log ratios (the point itself for one ratio)."""
-    logs = [math.log(r) for r in ratios]
-    m = statistics.fmean(logs)
-    if len(logs) < 2:
-        return math.exp(m), math.exp(m), math.exp(m)
-    from scipy.stats import t
-
-    half = t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(m), math.exp(m - half), math.exp(m + half)
+def trains_head(cfg) -> bool:
+    spec = cfg.policy.generation.speculation
+    return spec is not None and spec.is_head and cfg.policy.generation.drafter_training.enabled
 
 
-def summarise(rows_by_seed: dict[int, list[dict]], names: list[str]) -> list[dict]:
-    """Per variant (but the baseline): generation and step speed-ups per step (interval), per seed (pooled)
-    and overall, the Amdahl bound, tokens and acceptance length."""
-    from rl_specdec.metrics import compute_spec_decode_metrics
+def checked_variants(p, variants, trained: str) -> None:
+    """Refuse, before anything starts, a variant other than the trained one whose drafter trains online: its
+    rollouts are not trained on, so its drafter's work would not be measured."""
+    from rl_specdec.config import load_config
 
-    base, out = names[0], []
-    rows = [r for rs in rows_by_seed.values() for r in rs]
-    for n in names[1:]:
-        gen = [r[base]["s"] / r[n]["s"] for r in rows]
-        step = [(r["rest_s"] + r[base]["s"]) / (r["rest_s"] + r[n]["s"]) for r in rows]
-        per_seed = {s: sum(r[base]["s"] for r in rs) / sum(r[n]["s"] for r in rs) for s, rs in rows_by_seed.items()}
-        g_all = sum(r[base]["s"] for r in rows) / sum(r[n]["s"] for r in rows)
-        share = sum(r[base]["s"] for r in rows) / sum(r["rest_s"] + r[base]["s"] for r in rows)
-        step_all = sum(r["rest_s"] + r[base]["s"] for r in rows) / sum(r["rest_s"] + r[n]["s"] for r in rows)
-        counters: dict = {}
-        for r in rows:
-            for key, v in r[n]["counters"].items():
-                counters[key] = add_counter(counters.get(key), v)
-        acc = compute_spec_decode_metrics(None, counters).get("spec_decode/acceptance_length") if counters else None
-        out.append(
-            {
-                "variant": n,
-                "steps": len(rows),
-                "generation": g_all,
-                "generation_per_step": interval(gen),
-                "generation_per_seed": per_seed,
-                "step": step_all,
-                "step_per_step": interval(step),
-                "generation_share": share,
-                "amdahl_bound": 1 / ((1 - share) + share / g_all),
-                "tokens": (sum(r[base]["tokens"] for r in rows), sum(r[n]["tokens"] for r in rows)),
-                "acceptance_length": acc,
-            }
-        )
+    for n, c, o in variants:
+        if n != trained and load_config(c, o).policy.generation.drafter_training.enabled:
+            p.error(
+                f"variant {n!r} trains its drafter online, but only the trained variant's drafter work is measured:"
+                f" pass --trained {n!r}, or freeze it with policy.generation.drafter_training.enabled=false"
+            )
+
+
+def first_use_builds(variants) -> dict[str, float | None]:
+    """Every variant's models built now where they are not yet (so no step waits on a build), and the seconds
+    each one's build took, by model name (None: built before build times were kept)."""
+    from rl_specdec.config import load_config
+    from rl_specdec.toy.build import built_seconds
+    from rl_specdec.toy.resolve import prepare_models
+
+    out: dict[str, float | None] = {}
+    for _, c, o in variants:
+        cfg = load_config(c, o)
+        ready = prepare_models(load_config(c, o), log=log)
+        pairs = [(cfg.policy.model_name, ready.policy.model_name)]
+        if cfg.policy.generation.speculation is not None and cfg.policy.generation.speculation.model:
+            pairs.append((cfg.policy.generation.speculation.model, ready.policy.generation.speculation.model))
+        out.update({name: built_seconds(Path(folder)) for name, folder in pairs if Path(folder).is_dir()})
     return out
-
-
-def table(summary: list[dict], base: str) -> str:
-    head = (
-        f"| variant (against {base}) | generation: pooled | per step (95% CI) | per seed | step: pooled "
-        "| per step (95% CI) | Amdahl bound (gen. share) | tokens (base / variant) | L |"
-    )
-    lines = [head, "|" + "---|" * 9]
-    for s in summary:
-        g, st = s["generation_per_step"], s["step_per_step"]
-        seeds = ", ".join(f"{v:.2f}x" for v in s["generation_per_seed"].values())
-        acc = f"{s['acceptance_length']:.2f}" if s["acceptance_length"] else "–"
-        lines.append(
-            f"| {s['variant']} | **{s['generation']:.2f}x** | {g[0]:.2f}x ({g[1]:.2f}-{g[2]:.2f}) | {seeds} "
-            f"| **{s['step']:.2f}x** | {st[0]:.2f}x ({st[1]:.2f}-{st[2]:.2f}) "
-            f"| {s['amdahl_bound']:.2f}x ({100 * s['generation_share']:.0f}%) "
-            f"| {s['tokens'][0]} / {s['tokens'][1]} | {acc} |"
-        )
-    return "\n".join(lines)
-
-
-LENGTHS = ("median", "p90", "max")  # of the trained run's rollouts, each step (its metrics row)
-
-
-def lengths_line(rows_by_seed: dict[int, list[dict]]) -> str:
-    """The trained run's rollout lengths by step, per seed: how long-tailed each step's calls were."""
-    per_seed = [
-        f"seed {s}: " + ", ".join("/".join(f"{v:.0f}" for v in r["lengths"]) for r in rs if r.get("lengths"))
-        for s, rs in rows_by_seed.items()
-    ]
-    return "rollout length (tokens) median/p90/max by step, trained run: " + "; ".join(per_seed)
 
 
 def run_seed(variants, trained: str, seed: int, steps: int, out: Path) -> list[dict]:
@@ -204,7 +184,7 @@ def run_seed(variants, trained: str, seed: int, steps: int, out: Path) -> list[d
     cfg = load_config(config, overrides + common + TRAINED + extra)
     with StopSignals(cfg.checkpoint.grace_s, None) as stop:
         run = setup(cfg)
-        run.stop, paired, walls, lengths = stop, None, [], []
+        run.stop, paired, walls, lengths, drafter = stop, None, [], [], []
         try:
             others = {}
             for n, (c, o) in by_name.items():
@@ -214,24 +194,30 @@ def run_seed(variants, trained: str, seed: int, steps: int, out: Path) -> list[d
                     others[n] = VllmGeneration(oc.policy.model_name, oc.policy.generation, oc.cluster, seed=seed)
             paired = run.generation = PairedGeneration(trained, run.generation, others)
             paired.refit_others(run.policy.state_dict_buckets())
+            timing = HeadFreeTiming(run.policy) if trains_head(cfg) else None
+            run.policy = timing or run.policy
             for step in range(steps):
-                t0, refits0 = time.perf_counter(), paired.others_refit_s
+                t0, extra0 = time.perf_counter(), paired.others_refit_s + (timing.wall_s if timing else 0.0)
                 row = grpo_step(run, step)
-                walls.append(time.perf_counter() - t0 - (paired.others_refit_s - refits0))
+                extra = paired.others_refit_s + (timing.wall_s if timing else 0.0) - extra0
+                walls.append(time.perf_counter() - t0 - extra)
+                drafter.append(drafter_seconds(row, timing.forward_backward_s if timing else None))
                 lengths.append([row.get(f"generation/response_length_{q}", float("nan")) for q in LENGTHS])
                 log(
                     f"seed {seed} step {step + 1}: "
                     + ", ".join(f"{n} {v['s']:.1f} s" for n, v in paired.calls[-1].items())
-                    + f"; train {row.get('timing/train', 0):.1f} s; lengths "
+                    + f"; train {row.get('timing/train', 0):.1f} s, drafter {drafter[-1]:.1f} s; lengths "
                     + "/".join(f"{v:.0f}" for v in lengths[-1])
                 )
         finally:
             if paired is not None:
                 paired.shutdown_others()
                 run.generation = paired.trained
+            if isinstance(run.policy, HeadFreeTiming):
+                run.policy = run.policy.policy
             run.shutdown()
             stop_ray()
-    rows = step_rows(paired.calls, walls)
+    rows = step_rows(paired.calls, walls, drafter, trained)
     for r, lens in zip(rows, lengths):
         r["lengths"] = lens
     return rows
@@ -250,8 +236,10 @@ def main(argv=None) -> None:
     trained = args.trained or names[0]
     if trained not in names:
         p.error(f"--trained {trained!r} is not one of the variants ({', '.join(names)})")
+    checked_variants(p, variants, trained)
     head = bench_common.header()
     print(f"# paired GRPO: {head}", flush=True)
+    builds = first_use_builds(variants)
     out = Path(args.out)
     rows = {s: run_seed(variants, trained, s, args.steps, out) for s in (int(x) for x in args.seeds.split(","))}
     summary = summarise(rows, names)
@@ -261,14 +249,19 @@ def main(argv=None) -> None:
         "command": "python -m benchmarks paired " + " ".join(sys.argv[1:]),
         "trained": trained,
         "variants": [{"name": n, "config": c, "overrides": o} for n, c, o in variants],
+        "first_use_builds_s": builds,
         "steps": {str(s): r for s, r in rows.items()},
         "summary": summary,
     }
     (out / "paired.json").write_text(json.dumps(result, indent=1))
     with bench_common.markdown_report(out, "paired.md", "Paired GRPO", head):
-        print(f"trained on {trained}'s rollouts; every variant generates each step's rollouts from the same weights")
+        print(
+            f"trained on {trained}'s rollouts; every variant generates each step's rollouts from the same weights;"
+            " a step is the shared phases, the variant's generation and its own drafter work"
+        )
         print(table(summary, names[0]))
         print(f"\n{lengths_line(rows)}")
+        print(f"\n{builds_line(builds, head.split(':')[0])}")
     print(f"written to {out / 'paired.json'} and {out / 'paired.md'}")
 
 

@@ -102,8 +102,9 @@ class DrafterUpkeep:
         return self.trainer is not None and self.speculating and (step + 1) % self.training.every == 0
 
     def top_k(self, step: int) -> int:
-        """Log-probs per generated token the rollouts must return (0: none)."""
-        return self.training.top_k if self.trains_at(step) else 0
+        """Log-probs per generated token the rollouts must return (0: none). A head learns from the policy's
+        update, not from the engines' log-probs: its rollouts ask for none, and pay nothing for them."""
+        return self.training.top_k if self.trains_at(step) and not isinstance(self.trainer, PolicyHead) else 0
 
     def check(self, spec_metrics: dict[str, float], generation: RolloutEngine) -> dict[str, float]:
         """The acceptance canary on this step's rollouts (every step follows a refit)."""

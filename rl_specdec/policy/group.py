@@ -206,6 +206,11 @@ class PolicyGroup:
         shards = shard_batch(batch, len(self.workers))
         return self._run("train_step", [(shard, loss_fn) for _, shard in shards])[0]
 
+    def forward_backward_time(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> float:
+        """The slowest worker's seconds for this batch's forwards and backwards without the head (nothing steps)."""
+        shards = shard_batch(batch, len(self.workers))
+        return max(self._run("forward_backward_time", [(shard, loss_fn) for _, shard in shards]))
+
     def get_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         shards = shard_batch(batch, len(self.workers))
         outs = self._run("get_logprobs", [(shard,) for _, shard in shards])

@@ -90,7 +90,9 @@ class HeadTrainer:
         self.version += 1
         n = max(self._sums.pop("tokens"), 1.0)
         self.result = {k: v / n for k, v in self._sums.items()}  # this worker's shard
-        self.result.update(version=float(self.version), time_s=self._busy + time.time() - t0)  # the head's own time
+        step_s = time.time() - t0
+        # the head's own time, and its optimizer's part (outside the update's forward_backward_s)
+        self.result.update(version=float(self.version), time_s=self._busy + step_s, optimizer_s=step_s)
         self._embed = self._lm_head = None
 
     def state_dict_for_refit(self) -> dict[str, torch.Tensor]:

@@ -231,18 +231,36 @@ class PolicyWorker:
         """
         t0 = time.time()
         self.opt.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {"entropy": 0.0, "num_tokens": float(batch["loss_mask"].sum())}
-        maxes: dict[str, float] = {}
-        last = math.ceil(batch["input_ids"].shape[0] / self.config.micro_batch_size) - 1  # as many as it yields
         head_on = self.head is not None and self.head.due()
         if head_on:
             self.head.begin(self.model)
+        sums, maxes = self._forward_backward(batch, loss_fn, head_on, sync=True)
+        forward_backward_s = time.time() - t0
+        sums, maxes = reduce_metrics(sums, maxes, self.device)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.opt.step()
+        if self.head is not None:
+            self.head.end(trained=head_on)
+        ntok = sums.pop("num_tokens")
+        out = {**sums, **maxes}  # the loss function's metrics are already batch-normalised sums
+        out["entropy"] = sums["entropy"] / max(ntok, 1.0)
+        out["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        out["step_time_s"] = time.time() - t0
+        out["forward_backward_s"] = forward_backward_s  # the head's reading and learning included, when it trains
+        return out
+
+    def _forward_backward(self, batch, loss_fn: LossFn, head_on: bool, sync: bool):
+        """Every micro-batch's forward and backward (the head learning from the forward when ``head_on``);
+        gradients accumulate, reduced across workers on the last one when ``sync``. The metrics' sums and maxes."""
+        sums: dict[str, float] = {"entropy": 0.0, "num_tokens": float(batch["loss_mask"].sum())}
+        maxes: dict[str, float] = {}
+        last = math.ceil(batch["input_ids"].shape[0] / self.config.micro_batch_size) - 1  # as many as it yields
         # a head learns from every position's hidden states; DDP and FSDP2 (even one FSDP2 worker) expect one
         # forward per backward
         layout = self._layout(batch, share=self.config.share_prefix and not dist.is_initialized() and not head_on)
         share = layout[2]
         for i, (_, mb) in enumerate(self._micro_batches(batch, layout)):
-            with grad_sync(self.train_model, enabled=i == last):
+            with grad_sync(self.train_model, enabled=sync and i == last):
                 learn = functools.partial(self.head.learn, mb=mb) if head_on else None
                 logp, entropy = self._score(self.train_model, mb, share, with_entropy=True, features=learn)
                 ref_logp = None
@@ -257,17 +275,19 @@ class PolicyWorker:
                     maxes[k] = max(maxes.get(k, 0.0), float(v))
                 else:
                     sums[k] = sums.get(k, 0.0) + float(v)
-        sums, maxes = reduce_metrics(sums, maxes, self.device)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        self.opt.step()
+        return sums, maxes
+
+    def forward_backward_time(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> float:
+        """Seconds of this batch's forwards and backwards as an update without the head runs them; the gradients
+        are dropped and nothing steps. An update's ``forward_backward_s`` less this, on the same batch, is what its
+        head added to it (the paired benchmark charges that to the head's variant alone)."""
+        t0 = time.time()
+        self._forward_backward(batch, loss_fn, head_on=False, sync=False)
+        seconds = time.time() - t0
+        self.opt.zero_grad(set_to_none=True)
         if self.head is not None:
-            self.head.end(trained=head_on)
-        ntok = sums.pop("num_tokens")
-        out = {**sums, **maxes}  # the loss function's metrics are already batch-normalised sums
-        out["entropy"] = sums["entropy"] / max(ntok, 1.0)
-        out["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        out["step_time_s"] = time.time() - t0
-        return out
+            self.head.opt.zero_grad(set_to_none=True)
+        return seconds
 
     def _score(self, model, mb: dict[str, torch.Tensor], share: bool, with_entropy: bool = False, features=None):
         """Log-probs (and entropy) [n, T-1] of the response tokens only: the loss reads nothing else. With

@@ -153,8 +153,36 @@ def build_once(root: Path, make: Callable[[Path], None], what: str, log: Callabl
         t0 = time.time()
         log(f"[build] {what}: building into {root} (first use only)")
         make(root)
-        log(f"[build] {what}: built in {time.time() - t0:.0f}s")
+        seconds = time.time() - t0
+        log(f"[build] {what}: built in {seconds:.0f}s")
+        _record_build(root, what, seconds)
     return root
+
+
+BUILT = "built.json"  # what a first-use build cost, kept in its folder (read by built_seconds)
+
+
+def _record_build(root: Path, what: str, seconds: float) -> None:
+    from rl_specdec.sysinfo import machine_label
+
+    record = {"what": what, "seconds": round(seconds, 1), "machine": machine_label()}
+    (root / BUILT).write_text(json.dumps(record) + "\n")
+
+
+def built_seconds(folder: Path) -> float | None:
+    """The seconds the first-use build of ``folder`` (or of the pair that holds it) took, None where it was
+    not recorded: a folder built before build times were kept gives the training's seconds in its ``DONE``."""
+    for root in (folder, folder.parent):
+        if (root / BUILT).is_file():
+            return float(json.loads((root / BUILT).read_text())["seconds"])
+        done = root / "DONE"
+        if done.is_file():
+            text = done.read_text().strip()
+            try:
+                return float(text[:-1]) if text.endswith("s") else None
+            except ValueError:
+                return None
+    return None
 
 
 def build_tokenizer():
