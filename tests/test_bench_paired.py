@@ -193,7 +193,7 @@ def test_the_heads_part_of_the_update_is_the_difference_on_the_same_batch_plus_i
     assert drafter_seconds({}, None) == 0.0  # no drafter work at all
 
 
-def test_the_head_free_pass_runs_before_the_update_on_its_batch_and_is_timed_apart():
+def test_the_head_free_pass_runs_beside_the_update_on_its_batch_and_is_timed_apart():
     calls = []
 
     class Policy:
@@ -211,6 +211,8 @@ def test_the_head_free_pass_runs_before_the_update_on_its_batch_and_is_timed_apa
     timed = HeadFreeTiming(Policy())
     assert timed.train_step("b", None) == {"forward_backward_s": 10.0}
     assert calls == [("apart", "b"), ("update", "b")] and timed.forward_backward_s == 7.0 and timed.wall_s > 0
+    timed.train_step("c", None)  # the next step's extra pass comes after its update: no side always runs cold
+    assert calls[2:] == [("update", "c"), ("apart", "c")]
     assert timed.state_dict_buckets() == "buckets"
 
 

@@ -134,6 +134,8 @@ def test_metrics_jsonl_has_every_key_finite(uninterrupted):
             assert k in r and r[k] is not None and math.isfinite(r[k]), (r["step"], k)
         assert r["spec_decode/canary"] == 0.0
     assert [r["drafter/version"] for r in rows] == [1, 2, 3, 4]
+    # it drafted from the first step: the never-drafted warning has nothing to say (its positive run is below)
+    assert "drafted nothing" not in (Path(uninterrupted) / "warnings.txt").read_text()
     baseline = _rows(uninterrupted, with_baseline=True)[0]
     assert baseline["step"] == 0 and "val/accuracy" in baseline
     assert baseline["self_check/p_value"] > 1e-6
@@ -197,6 +199,33 @@ def test_strict_engine_settings_stop_before_the_first_step(tmp_path):
     with pytest.raises(ConfigError, match="vllm_kwargs.async_scheduling: requested True, the engine runs False"):
         _train(tmp_path, "grpo.max_steps=2", ASYNC_ON, "policy.generation.strict_engine_settings=true")
     assert not (tmp_path / "metrics.jsonl").exists() or all(r["step"] == 0 for r in _rows(tmp_path, with_baseline=True))
+
+
+def test_a_schedule_the_batch_never_thins_to_says_it_drafted_nothing(tmp_path):
+    """Every rollout runs to a 4-token cap together, and the schedule drafts only while one request runs: no
+    step drafts, the engines' reports say the batch never fell below many requests, and the run warns once."""
+    warnings = _Collect()
+    logging.getLogger("rl_specdec").addHandler(warnings)
+    try:
+        _train(
+            tmp_path,
+            "grpo.max_steps=3",
+            "grpo.val_every=0",
+            "grpo.self_check_prompts=0",
+            "checkpoint.enabled=false",
+            "logger.wandb.enabled=false",
+            "policy.generation.max_new_tokens=4",  # shorter than every answer: all 16 rollouts end together
+            "policy.generation.speculation_control.mode=fixed",
+            "policy.generation.speculation_control.draft_below=2",  # k=3 at one running request, 0 from 2 up
+        )
+    finally:
+        logging.getLogger("rl_specdec").removeHandler(warnings)
+    rows = _rows(tmp_path)
+    assert [r["spec_decode/num_drafts"] for r in rows] == [0.0, 0.0, 0.0]
+    assert all(r["spec_decode/drafted_step_fraction"] == 0.0 for r in rows)
+    assert min(r["spec_decode/fewest_running_requests"] for r in rows) > 1
+    said = [m for m in warnings.messages if "drafted nothing" in m]
+    assert len(said) == 1 and "only at 1 running requests" in said[0] and "draft_model drafter" in said[0], said
 
 
 def test_wandb_offline_run_written(uninterrupted):

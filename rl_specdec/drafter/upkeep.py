@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rl_specdec.config import RunConfig
 from rl_specdec.drafter.canary import AcceptanceCanary
+from rl_specdec.drafter.watch import NeverDrafted
 from rl_specdec.errors import SpecDecodeCanaryTripped
 from rl_specdec.metrics.logger import Timer
 from rl_specdec.rollout import GenerationOutput, RolloutEngine
@@ -76,6 +77,7 @@ class DrafterUpkeep:
         c = gen.acceptance_canary
         self.canary, self.action = AcceptanceCanary(min_ratio=c.min_ratio, window=c.window), c.action
         self.speculating = gen.speculation is not None
+        self.watch = NeverDrafted.for_run(cfg)
         self._batch = None
 
     @classmethod
@@ -107,7 +109,11 @@ class DrafterUpkeep:
         return self.training.top_k if self.trains_at(step) and not isinstance(self.trainer, PolicyHead) else 0
 
     def check(self, spec_metrics: dict[str, float], generation: RolloutEngine) -> dict[str, float]:
-        """The acceptance canary on this step's rollouts (every step follows a refit)."""
+        """The acceptance canary on this step's rollouts (every step follows a refit); before it, whether a
+        drafter the run pays for drafted at all in its first steps."""
+        never = self.watch.observe(spec_metrics, self.speculating)
+        if never:
+            logger.warning("%s", never)
         if not self.speculating or not spec_metrics or not spec_metrics.get("spec_decode/num_draft_tokens"):
             return {}
         judged = self.canary.observe_counts(

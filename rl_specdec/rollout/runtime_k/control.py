@@ -52,6 +52,8 @@ class SpecControl:
         self.started = False
         self.tally = Tally()
         self._stats0 = dict(self.fp.stats)
+        self._seen = SeenSteps()
+        self.fp.listeners.append(self._seen.add)
 
     @staticmethod
     def refusal(what: str) -> str:
@@ -66,6 +68,7 @@ class SpecControl:
     def start(self) -> None:
         """After the self-check: the controller (adaptive) or the tally (fixed) starts listening (once)."""
         self._stats0 = dict(self.fp.stats)
+        self._seen.report()  # the self-check's steps are not the first call's
         if self.started:
             return
         self.started = True
@@ -121,7 +124,26 @@ class SpecControl:
             out = {"buckets": [[lo, hi, k] for (lo, hi), k in zip(self.ranges, ks)]}
             out.update(self.tally.report())
             self.tally.reset()
-        return {"mode": self.mode, "steps": d["steps"], "plain_steps": d["plain_steps"], **out}
+        return {"mode": self.mode, "steps": d["steps"], "plain_steps": d["plain_steps"], **self._seen.report(), **out}
+
+
+class SeenSteps:
+    """What the engine steps since the last report ran at: the fewest requests any of them held, and how many
+    verified drafts. A run whose drafter drafts nothing reads from these where its schedule never drafted."""
+
+    def __init__(self):
+        self.fewest: int | None = None
+        self.drafted = 0
+
+    def add(self, rec, so) -> None:
+        if rec.b > 0:
+            self.fewest = rec.b if self.fewest is None else min(self.fewest, rec.b)
+        self.drafted += int(rec.drafts > 0)
+
+    def report(self) -> dict[str, int]:
+        out = {"draft_steps": self.drafted, **({"fewest_running": self.fewest} if self.fewest is not None else {})}
+        self.fewest, self.drafted = None, 0
+        return out
 
 
 class SpecControlExtension:

@@ -18,8 +18,8 @@ from typing import Any, Iterable
 
 
 def control_metrics(reports: Iterable[dict[str, Any]]) -> dict[str, float]:
-    """``spec_decode/k_bucket_{lo}_{hi}``, ``…/predicted_tokens_per_s``, ``…/realised_tokens_per_s``, and step
-    shares; {} without reports."""
+    """``spec_decode/k_bucket_{lo}_{hi}``, ``…/predicted_tokens_per_s``, ``…/realised_tokens_per_s``, step
+    shares and the fewest running requests; {} without reports."""
     reports = [r for r in reports or [] if r]
     if not reports:
         return {}
@@ -33,6 +33,11 @@ def control_metrics(reports: Iterable[dict[str, Any]]) -> dict[str, float]:
     steps = sum(r.get("steps", 0) for r in reports)
     decode = sum(r.get("timed_steps", 0) for r in reports)
     out["spec_decode/plain_step_fraction"] = sum(r.get("plain_steps", 0) for r in reports) / steps if steps else 0.0
+    # the share of the call's engine steps that verified drafts: 0 all through a call that bought nothing
+    out["spec_decode/drafted_step_fraction"] = sum(r.get("draft_steps", 0) for r in reports) / steps if steps else 0.0
+    fewest = [r["fewest_running"] for r in reports if "fewest_running" in r]
+    if fewest:  # the fewest requests any engine's step ran with: where the batch never thinned to
+        out["spec_decode/fewest_running_requests"] = float(min(fewest))
     out["spec_decode/explore_fraction"] = sum(r.get("explore_steps", 0) for r in reports) / decode if decode else 0.0
     out["spec_decode/catch_up_tokens"] = float(sum(r.get("catch_up_tokens", 0) for r in reports))
     return out
