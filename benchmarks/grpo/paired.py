@@ -54,6 +54,9 @@ from benchmarks.rollout.batch_sweep import KV, variants_or_exit
 
 DEFAULT_VARIANTS = "none: configs/smollm2_base.yaml; shipped: configs/smollm2_spec.yaml"
 # the trained run: no validation and no checkpoints (neither is timed), no pipelining (the steps must be whole)
+# the trained run's figures each step's drafter work is taken from, kept in paired.json
+PARTS = ("timing/train", "train/forward_backward_s", "drafter/optimizer_s", "timing/drafter_train")
+PARTS += ("timing/drafter_wait", "timing/drafter_refit")
 TRAINED = ["grpo.val_every=0", "checkpoint.enabled=false", "logger.wandb.enabled=false", "grpo.max_staleness=0"]
 
 
@@ -195,7 +198,7 @@ def run_seed(variants, trained: str, seed: int, steps: int, out: Path) -> list[d
     cfg = load_config(config, overrides + common + TRAINED + extra)
     with StopSignals(cfg.checkpoint.grace_s, None) as stop:
         run = setup(cfg)
-        run.stop, paired, walls, lengths, drafter = stop, None, [], [], []
+        run.stop, paired, walls, lengths, drafter, parts = stop, None, [], [], [], []
         try:
             others = {}
             for n, (c, o) in by_name.items():
@@ -214,6 +217,8 @@ def run_seed(variants, trained: str, seed: int, steps: int, out: Path) -> list[d
                 walls.append(time.perf_counter() - t0 - extra)
                 drafter.append(drafter_seconds(row, timing.forward_backward_s if timing else None))
                 lengths.append([row.get(f"generation/response_length_{q}", float("nan")) for q in LENGTHS])
+                parts.append({k: row[k] for k in PARTS if k in row})
+                parts[-1]["head_free_forward_backward_s"] = timing.forward_backward_s if timing else None
                 log(
                     f"seed {seed} step {step + 1}: "
                     + ", ".join(f"{n} {v['s']:.1f} s" for n, v in paired.calls[-1].items())
@@ -229,8 +234,8 @@ def run_seed(variants, trained: str, seed: int, steps: int, out: Path) -> list[d
             run.shutdown()
             stop_ray()
     rows = step_rows(paired.calls, walls, drafter, trained)
-    for r, lens in zip(rows, lengths):
-        r["lengths"] = lens
+    for r, lens, part in zip(rows, lengths, parts):
+        r["lengths"], r["trained_parts"] = lens, part
     return rows
 
 

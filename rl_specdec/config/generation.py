@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
@@ -89,6 +90,37 @@ SCHEDULE_END = 1 << 16  # the dynamic-k schedule covers every batch size vLLM ma
 Schedule = tuple[tuple[int, int, int], ...]  # (first batch size, last batch size, k)
 
 
+SPEC_KEY = "policy.generation.vllm_kwargs.speculative_config"
+
+
+def _spec_error(name: str, value: Any, what: str):
+    from rl_specdec.errors import ConfigError
+
+    return ConfigError(f"{SPEC_KEY}.{name}={value!r} {what}")
+
+
+def _sequence(v: Any) -> bool:
+    return isinstance(v, Sequence) and not isinstance(v, (str, bytes))
+
+
+def _schedule(entries: Any) -> Schedule | None:
+    """``num_speculative_tokens_per_batch_size`` as integer triples (first batch size, last batch size, k)."""
+    if not entries:
+        return None
+
+    def triple(e: Any) -> bool:
+        return _sequence(e) and len(e) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in e)
+
+    ok = _sequence(entries) and all(triple(e) for e in entries)
+    if not ok:
+        raise _spec_error(
+            "num_speculative_tokens_per_batch_size",
+            entries,
+            "must be a list of [first batch size, last batch size, k] integer triples, e.g. [[1, 3, 2], [4, 1024, 0]]",
+        )
+    return tuple(tuple(e) for e in entries)
+
+
 @dataclass(frozen=True)
 class Speculation:
     """A validated ``speculative_config``, typed. ``options``: its other keys, as vLLM takes them
@@ -106,11 +138,15 @@ class Speculation:
         if spec is None:
             return None
         rest = {k: v for k, v in spec.items() if v is not None}
-        method, model = rest.pop("method"), rest.pop("model", None)
-        schedule = rest.pop("num_speculative_tokens_per_batch_size", None)
-        schedule = tuple(tuple(int(x) for x in e) for e in schedule) if schedule else None
+        method, model = rest.pop("method", None), rest.pop("model", None)
+        for name, v in (("method", method), ("model", model)):
+            if v is not None and not isinstance(v, str):
+                raise _spec_error(name, v, "must be a string")
+        schedule = _schedule(rest.pop("num_speculative_tokens_per_batch_size", None))
         k = rest.pop("num_speculative_tokens", None)
-        k = int(k) if k is not None else max(e[2] for e in schedule or ((1, 1, 1),))
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+            raise _spec_error("num_speculative_tokens", k, "must be an integer (the most tokens drafted a step: 3)")
+        k = k if k is not None else max(e[2] for e in schedule or ((1, 1, 1),))
         return cls(method, k, model, schedule, MappingProxyType(rest))
 
     @property

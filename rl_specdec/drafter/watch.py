@@ -21,7 +21,7 @@ class NeverDrafted:
     """Watches the first ``steps`` steps of a run whose drafter costs something (``pays``: what it costs)."""
 
     def __init__(self, pays: str | None, steps: int = FIRST_STEPS):
-        self.pays, self.left = pays, steps if pays else 0
+        self.pays, self.steps, self.left = pays, steps, steps if pays else 0
         self.fewest: float | None = None  # the fewest running requests any engine step held, over the steps seen
         self.drafting: set[tuple[int, int]] = set()  # batch-size buckets where run-time k drafted (k > 0)
         self.buckets: set[tuple[int, int]] = set()
@@ -50,7 +50,7 @@ class NeverDrafted:
             return None
         cause, fix = self._cause(speculating)
         return (
-            f"speculation drafted nothing in the first {FIRST_STEPS} steps (spec_decode/num_drafts 0 each step), "
+            f"speculation drafted nothing in the first {self.steps} steps (spec_decode/num_drafts 0 each step), "
             f"while the run pays for {self.pays}: {cause}. {fix}"
         )
 

@@ -69,6 +69,8 @@ class SpecControl:
         """After the self-check: the controller (adaptive) or the tally (fixed) starts listening (once)."""
         self._stats0 = dict(self.fp.stats)
         self._seen.report()  # the self-check's steps are not the first call's
+        # a step's record comes at the next step's start: the self-check's last one is still to come
+        self._seen.skip = self.fp.pending is not None
         if self.started:
             return
         self.started = True
@@ -134,8 +136,12 @@ class SeenSteps:
     def __init__(self):
         self.fewest: int | None = None
         self.drafted = 0
+        self.skip = False  # the next record is an earlier phase's
 
     def add(self, rec, so) -> None:
+        if self.skip:
+            self.skip = False
+            return
         if rec.b > 0:
             self.fewest = rec.b if self.fewest is None else min(self.fewest, rec.b)
         self.drafted += int(rec.drafts > 0)
