@@ -20,7 +20,7 @@ def _step(drafts: float, fewest: float | None = 16.0, buckets=((1, 3, 2), (4, 10
 
 
 def _watch(steps, speculating=True, pays=PAYS):
-    w = NeverDrafted(pays)
+    w = NeverDrafted(pays, trains=True)
     return [w.observe(s, speculating) for s in steps]
 
 
@@ -76,3 +76,9 @@ def test_engine_reports_give_the_fewest_running_requests_and_the_drafted_share()
     m = control_metrics(reports)
     assert m["spec_decode/fewest_running_requests"] == 3.0
     assert m["spec_decode/drafted_step_fraction"] == 0.2
+
+
+def test_a_frozen_drafter_is_not_told_to_stop_a_training_it_does_not_do():
+    w = NeverDrafted("a draft_model drafter in every engine (built at first use)")
+    message = [w.observe(_step(0), True) for _ in range(3)][-1]
+    assert "drafter_training" not in message and "speculative_config (no drafter)" in message

@@ -20,8 +20,8 @@ _BUCKET = re.compile(r"^spec_decode/k_bucket_(\d+)_(\d+)$")
 class NeverDrafted:
     """Watches the first ``steps`` steps of a run whose drafter costs something (``pays``: what it costs)."""
 
-    def __init__(self, pays: str | None, steps: int = FIRST_STEPS):
-        self.pays, self.steps, self.left = pays, steps, steps if pays else 0
+    def __init__(self, pays: str | None, trains: bool = False, steps: int = FIRST_STEPS):
+        self.pays, self.trains, self.steps, self.left = pays, trains, steps, steps if pays else 0
         self.fewest: float | None = None  # the fewest running requests any engine step held, over the steps seen
         self.drafting: set[tuple[int, int]] = set()  # batch-size buckets where run-time k drafted (k > 0)
         self.buckets: set[tuple[int, int]] = set()
@@ -35,7 +35,7 @@ class NeverDrafted:
             pays.append(f"a {spec.method} drafter in every engine (built at first use)")
         if spec is not None and gen.drafter_training.enabled:
             pays.append("its online update every " + ("step" if gen.drafter_training.every == 1 else "few steps"))
-        return cls(" and ".join(pays) or None)
+        return cls(" and ".join(pays) or None, trains=spec is not None and gen.drafter_training.enabled)
 
     def observe(self, spec: dict[str, float], speculating: bool) -> str | None:
         """One step's ``spec_decode/*`` (empty: nothing drafted); the warning, at most once, else None."""
@@ -66,18 +66,17 @@ class NeverDrafted:
                     self.drafting.add((int(m[1]), int(m[2])))
 
     def _cause(self, speculating: bool) -> tuple[str, str]:
-        stop = (
-            f"set {KEY}.drafter_training.enabled=false to stop paying for its update, or remove "
-            f"{KEY}.vllm_kwargs.speculative_config to run without a drafter"
-        )
+        stop = f"remove {KEY}.vllm_kwargs.speculative_config (no drafter)"
+        if self.trains:
+            stop = f"set {KEY}.drafter_training.enabled=false (no update), or {stop}"
         if not speculating:
             return (
                 "the acceptance canary turned speculation off (acceptance_canary.action=disable; its warning above "
                 "gives the acceptance it saw)",
-                f"To stop paying, {stop}; acceptance_canary.action=warn keeps speculation on",
+                f"To stop paying for it: {stop}; acceptance_canary.action=warn keeps speculation on",
             )
         if self.buckets and not self.drafting:
-            return ("run-time k chose k=0 at every batch size (no k measured faster)", f"To stop paying, {stop}")
+            return ("run-time k chose k=0 at every batch size (no k measured faster)", f"To stop paying for it: {stop}")
         top = max((hi for _, hi in self.drafting), default=None)
         if top is not None and self.fewest is not None and self.fewest > top:
             ranges = ", ".join(f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in sorted(self.drafting))
@@ -86,9 +85,9 @@ class NeverDrafted:
                 f"{self.fewest:.0f} (rollouts run to the token cap together)",
                 f"Draft where the batch runs ({KEY}.vllm_kwargs.speculative_config.num_speculative_tokens_per_batch_"
                 f"size with k > 0 up to {self.fewest:.0f} requests, where that pays), lower {KEY}.max_new_tokens so "
-                f"the tail thins out; or, to stop paying, {stop}",
+                f"the tail thins out; to stop paying for it: {stop}",
             )
         return (
             "the engines drafted no token (no run-time k report says why)",
-            f"Check the schedule (num_speculative_tokens_per_batch_size); to stop paying, {stop}",
+            f"Check the schedule (num_speculative_tokens_per_batch_size); to stop paying for it: {stop}",
         )

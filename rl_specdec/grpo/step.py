@@ -154,8 +154,8 @@ def after_rollouts(run: GRPORun, step: int, prompt_ids: list[list[int]], out: Ge
     """The rollouts' ``spec_decode/*`` (their call's own counters), the acceptance canary, run-time k's report;
     the drafter takes its batch from them (and starts training, with ``overlap``)."""
     spec = compute_spec_decode_metrics(None, out.spec_counters)
-    spec.update(run.drafter.check(spec, run.generation))  # the acceptance canary
-    spec.update(control_metrics(out.spec_control))  # run-time k: k per bucket, predicted and realised tokens/s
+    spec.update(control_metrics(out.spec_control))  # run-time k: k per bucket, tokens/s, the fewest running
+    spec.update(run.drafter.check(spec, run.generation))  # the acceptance canary (and whether it drafted at all)
     run.drafter.after_generation(step, prompt_ids, out, run.tokenizer.pad_token_id)  # may overlap the policy's update
     return spec
 
