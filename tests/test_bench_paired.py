@@ -171,7 +171,8 @@ def test_negative_control_the_old_accounting_charges_the_drafter_to_the_baseline
 
 
 def test_the_drafters_work_lowers_the_step_ratio_and_the_bound_counts_it():
-    (s,) = summarise({0: [_charged_row()]}, ["none", "spec"])
+    row = {**_charged_row(), "lengths": [20.0, 64.0, 64.0], "trained_parts": {"timing/train": 30.0}}  # as run_seed
+    (s,) = summarise({0: [row]}, ["none", "spec"])
     assert s["generation"] == pytest.approx(2.0)
     assert s["step"] == pytest.approx(41 / 40)  # against (31 + 10) / (31 + 5) = 1.14x with the drafter shared
     assert s["step_drafter_shared"] == pytest.approx(45 / 40)

@@ -257,9 +257,13 @@ def main(argv=None) -> None:
     print(f"# paired GRPO: {head}", flush=True)
     builds = first_use_builds(variants)
     out = Path(args.out)
-    rows = {s: run_seed(variants, trained, s, args.steps, out) for s in (int(x) for x in args.seeds.split(","))}
-    summary = summarise(rows, names)
     out.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    for s in (int(x) for x in args.seeds.split(",")):
+        rows[s] = run_seed(variants, trained, s, args.steps, out)
+        # every finished seed's rows on disk before anything is derived from them: a failure later loses nothing
+        (out / "paired_rows.json").write_text(json.dumps({str(k): v for k, v in rows.items()}, indent=1))
+    summary = summarise(rows, names)
     result = {
         "machine": head,
         "command": "python -m benchmarks paired " + " ".join(sys.argv[1:]),

@@ -82,7 +82,7 @@ def ratios(rows: list[dict], base: str, name: str) -> dict:
 
 
 def trained_drafter(row: dict) -> float:
-    return sum(v["drafter_s"] for v in row.values() if isinstance(v, dict))
+    return sum(v["drafter_s"] for v in row.values() if isinstance(v, dict) and "drafter_s" in v)
 
 
 def acceptance_length(rows: list[dict], name: str) -> float | None:
