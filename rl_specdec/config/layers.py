@@ -125,6 +125,8 @@ def _current_spec(raw: DictConfig) -> dict[str, Any] | None:
 def edit_speculative_config(spec: dict[str, Any] | None, edits: dict[str, Any]) -> dict[str, Any]:
     """``spec`` with single-key ``edits``; an edit that names another method starts from that method's defaults."""
     method = edits.get("method")
+    if method is not None and not isinstance(method, str):
+        raise ConfigError(f"{SPEC_KEY}.method={method!r} must be a string (a vLLM speculative method, e.g. ngram)")
     if method is not None and (spec is None or spec.get("method") != method):
         spec = {"method": method, **METHOD_DEFAULTS.get(method, {})}
     return {**(spec or {}), **edits}
