@@ -10,9 +10,9 @@ import pytest
 
 from rl_specdec.config import ConfigError, load_config, load_config_as_written
 from rl_specdec.config.layers import SPEC_KEY, apply_overrides, read_yaml
-from rl_specdec.config.speculation import METHOD_DEFAULTS
 from rl_specdec.config.vllm_kwargs import check_backend_runs
 from rl_specdec.toy.resolve import prepare_models
+from rl_specdec.vllm_ext.methods import method as method_row
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "configs" / "grpo_spec.yaml"
@@ -53,7 +53,7 @@ def test_command_line_method_switch_starts_from_its_defaults(method):
         assert spec == {"method": "draft_model", "model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 3,
                         "draft_sample_method": "probabilistic"}  # fmt: skip
     else:
-        assert spec == {"method": method, **METHOD_DEFAULTS[method], **edits}  # toy:drafter is not inherited
+        assert spec == {"method": method, **dict(method_row(method).defaults), **edits}  # toy:drafter is not inherited
 
 
 @pytest.mark.parametrize("method", sorted(SWITCHES))
@@ -70,7 +70,7 @@ def test_single_key_edit_keeps_the_rest_and_null_turns_speculation_off():
                     "draft_sample_method": "probabilistic"}  # fmt: skip
     assert _spec(apply_overrides(read_yaml(SPEC), [f"{S}=null"])) is None
     back = _spec(apply_overrides(read_yaml(BASE), [f"{S}.method=draft_model", f"{S}.model=toy:drafter"]))
-    assert back == {"method": "draft_model", "model": "toy:drafter", **METHOD_DEFAULTS["draft_model"]}
+    assert back == {"method": "draft_model", "model": "toy:drafter", **dict(method_row("draft_model").defaults)}
 
 
 @pytest.mark.parametrize("device", [ON_GPU, ["policy.device=cpu"]])

@@ -7,9 +7,10 @@ import json
 import pytest
 
 from rl_specdec.config import ConfigError, validate_vllm_kwargs
-from rl_specdec.config.vllm_kwargs import DRAFTER_METHODS
 from rl_specdec.vllm_ext.declarations import mtp_methods as vllm_mtp_methods
 from rl_specdec.vllm_ext.declarations import speculative_methods as vllm_speculative_methods
+from rl_specdec.vllm_ext.methods import METHODS
+from rl_specdec.vllm_ext.methods import method as method_row
 
 KEY = "policy.generation.vllm_kwargs"
 SPEC_KEY = f"{KEY}.speculative_config"
@@ -154,7 +155,7 @@ def _reasonable_spec(method, drafter):
     spec = {"method": method, "num_speculative_tokens": 3}
     if method in ("ngram", "ngram_gpu"):
         spec.update(prompt_lookup_max=3, prompt_lookup_min=1)
-    if method in DRAFTER_METHODS:
+    if method_row(method).drafter_model:
         spec["model"] = drafter
     return spec
 
@@ -163,6 +164,8 @@ def test_vllm_lists_the_methods_we_rely_on():
     methods = vllm_speculative_methods()
     for m in ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp"):
         assert m in methods
+    # the method table names only methods this vLLM declares: a renamed or dropped one would keep its row silently
+    assert sorted(set(METHODS) - set(methods)) == []
 
 
 @pytest.mark.parametrize("method", vllm_speculative_methods())
@@ -171,7 +174,7 @@ def test_every_vllm_method_passes_name_validation(policy, drafter, method):
     out = validate(spec, policy)["speculative_config"]
     assert out["method"] == method
     assert out["num_speculative_tokens"] == 3
-    if method in DRAFTER_METHODS or method in vllm_mtp_methods():
+    if method_row(method).drafter_model or method in vllm_mtp_methods():
         assert out["draft_sample_method"] == "probabilistic"
     else:
         assert "draft_sample_method" not in out

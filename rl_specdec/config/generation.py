@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
+from rl_specdec.vllm_ext.methods import method as method_row
+
 
 @dataclass
 class ClusterConfig:
@@ -42,7 +44,7 @@ class DrafterTrainingConfig:
 
     def lr_for(self, method: str) -> float:
         """``learning_rate``, its null resolved for ``method``."""
-        return self.learning_rate if self.learning_rate is not None else (1e-4 if method == "eagle3" else 1e-3)
+        return self.learning_rate if self.learning_rate is not None else (1e-4 if method_row(method).head else 1e-3)
 
 
 @dataclass
@@ -152,7 +154,7 @@ class Speculation:
     @property
     def is_head(self) -> bool:
         """An EAGLE-3 head: it drafts from the policy's hidden states and trains in the policy's workers."""
-        return self.method == "eagle3"
+        return method_row(self.method).head
 
     def to_vllm(self, control: Optional[SpeculationControlConfig] = None) -> dict[str, Any]:
         """The ``speculative_config`` an engine starts with; ``control`` (run-time k on): dynamic-k mode at k_max,

@@ -11,7 +11,7 @@ another, so it is **replaced, not merged**:
 * overrides of single keys (``speculative_config.num_speculative_tokens=5``)
   edit it in place, unless one of them names another method
   (``speculative_config.method=ngram``): then they start from that method's
-  defaults (:data:`rl_specdec.config.speculation.METHOD_DEFAULTS`).
+  defaults (``defaults`` in :mod:`rl_specdec.vllm_ext.methods`).
 
 Likewise ``task.kwargs`` are one task's arguments: a layer that names another
 task (``task.name``) starts from that task's defaults, dropping the inherited
@@ -30,8 +30,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rl_specdec.config.speculation import METHOD_DEFAULTS
 from rl_specdec.errors import ConfigError
+from rl_specdec.vllm_ext.methods import method as method_row
 
 SPEC_KEY = "policy.generation.vllm_kwargs.speculative_config"
 TASK_NAME, TASK_KWARGS = "task.name", "task.kwargs"
@@ -128,5 +128,5 @@ def edit_speculative_config(spec: dict[str, Any] | None, edits: dict[str, Any]) 
     if method is not None and not isinstance(method, str):
         raise ConfigError(f"{SPEC_KEY}.method={method!r} must be a string (a vLLM speculative method, e.g. ngram)")
     if method is not None and (spec is None or spec.get("method") != method):
-        spec = {"method": method, **METHOD_DEFAULTS.get(method, {})}
+        spec = {"method": method, **dict(method_row(method).defaults)}
     return {**(spec or {}), **edits}

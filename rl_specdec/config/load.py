@@ -147,16 +147,17 @@ def check_engine_args(cfg: RunConfig) -> None:
 
 
 def check_runs_here(cfg: RunConfig) -> None:
-    """Refuse a speculation method this machine's vLLM backend cannot run (on vLLM's CPU build: those of
-    ``CPU_METHODS`` only; suffix needs arctic-inference). The run's start asks it, not loading: a config for GPUs
-    still prints and validates on a CPU machine."""
-    from rl_specdec.config.vllm_kwargs import CPU_METHODS, check_backend_runs
+    """Refuse a speculation method this machine's vLLM backend cannot run (on vLLM's CPU build: the ``cpu``
+    methods of :mod:`rl_specdec.vllm_ext.methods` only; suffix needs arctic-inference). The run's start asks it,
+    not loading: a config for GPUs still prints and validates on a CPU machine."""
+    from rl_specdec.config.vllm_kwargs import check_backend_runs
+    from rl_specdec.vllm_ext.methods import method as method_row
     from rl_specdec.vllm_ext.platform import is_cpu
 
     spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
     method = (spec or {}).get("method")
     # vLLM's platform is asked only where it decides (importing vLLM to ask takes seconds)
-    on_cpu = cfg.policy.device == "cpu" and method is not None and method not in CPU_METHODS and is_cpu()
+    on_cpu = cfg.policy.device == "cpu" and method is not None and not method_row(method).cpu and is_cpu()
     check_backend_runs(spec, on_cpu=on_cpu)
 
 

@@ -7,35 +7,14 @@ vLLM's own declarations are in :mod:`rl_specdec.config.vllm_kwargs`.
 
 from __future__ import annotations
 
-from typing import Any
-
 from rl_specdec.config.generation import GenerationConfig, SpeculationControlConfig
 from rl_specdec.errors import ConfigError
+from rl_specdec.vllm_ext.methods import method as method_row
+from rl_specdec.vllm_ext.methods import names
 
 KEY = "policy.generation"
 CONTROL_KEY = f"{KEY}.speculation_control"
 CONTROL_MODES = ("off", "fixed", "adaptive", "auto")
-
-# What a method switch starts from (``speculative_config.method=ngram`` on the command line:
-# rl_specdec.config.layers). A method with a drafter still needs ``model``; MTP reads the policy's own layers.
-METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
-    "draft_model": {"num_speculative_tokens": 3, "draft_sample_method": "probabilistic"},
-    "eagle": {"num_speculative_tokens": 3, "draft_sample_method": "probabilistic"},
-    "eagle3": {"num_speculative_tokens": 3, "draft_sample_method": "probabilistic"},
-    "mtp": {"num_speculative_tokens": 1, "draft_sample_method": "probabilistic"},
-    "ngram": {"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
-    "suffix": {"num_speculative_tokens": 8},
-}
-
-# Why online drafter training covers draft_model only (docs/speculative_decoding.md, "The drafter's lifecycle").
-NOT_TRAINABLE = {
-    "ngram": "proposes from the prompt and history: there is no drafter model to train",
-    "ngram_gpu": "proposes from the prompt and history: there is no drafter model to train",
-    "suffix": "proposes from a suffix tree of past outputs: there is no drafter model to train",
-    "eagle": "trains on the target's hidden states, which vLLM's rollouts do not return; refit a head trained "
-    "elsewhere",
-    "mtp": "its heads are part of the policy checkpoint and are refit with the policy",
-}
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
@@ -88,8 +67,9 @@ def check_trainable_method(gen: GenerationConfig) -> None:
             f"{KEY}.drafter_training.enabled=true needs speculation: set {KEY}.vllm_kwargs.speculative_config "
             "(method: draft_model)"
         )
-    if method not in ("draft_model", "eagle3"):
-        why = NOT_TRAINABLE.get(method, "is not a draft_model drafter nor an EAGLE-3 head")
+    row = method_row(method)
+    if not row.trains_online:
+        why = row.why_not_trained or "is not a draft_model drafter nor an EAGLE-3 head"
         raise ConfigError(
             f"{KEY}.drafter_training.enabled=true with speculative_config.method={method!r}: {method} {why}. "
             f"Online drafter training needs method: draft_model or eagle3; set {KEY}.drafter_training.enabled=false "
@@ -113,7 +93,7 @@ def validate_speculation_control(gen: GenerationConfig) -> None:
     problem = _control_engine_problem(gen) if c.mode != "off" else None
     method = (gen.vllm_kwargs.get("speculative_config") or {}).get("method")
     if c.mode == "auto":
-        off = problem or method not in AUTO_METHODS
+        off = problem or not method_row(method).controller
         c.mode = "off" if off else "fixed" if c.draft_below is not None else "adaptive"
     c.k0_fast_path = c.fast_path
     if c.mode == "off":
@@ -187,12 +167,6 @@ def _check_control_numbers(c: SpeculationControlConfig, k: int) -> None:
             raise ConfigError(f"{key}.{name}={getattr(c, name)} must be >= {low}.")
 
 
-RUNTIME_K_METHODS = ("draft_model", "eagle3", "ngram")
-# what ``auto`` turns run-time k on for; ngram runs it when asked (mode fixed: a schedule with a free k=0), since
-# the controller's model of a step's cost and acceptance was made and tested on drafters
-AUTO_METHODS = ("draft_model", "eagle3")
-
-
 def _control_engine_problem(gen: GenerationConfig) -> str | None:
     """Why run-time k cannot run in this engine (the error, with its fix), or None."""
     kw, mode, key = gen.vllm_kwargs, gen.speculation_control.mode, CONTROL_KEY
@@ -203,12 +177,13 @@ def _control_engine_problem(gen: GenerationConfig) -> str | None:
             "or mode=off."
         )
     method = spec.get("method")
-    if method not in RUNTIME_K_METHODS:
+    row = method_row(method)
+    if not row.runtime_k:
         return (
             f"{key}.mode={mode} with speculative_config.method={method!r}: run-time k is built for "
-            f"{' and '.join(RUNTIME_K_METHODS)} only. Use one of them, or mode=off."
+            f"{' and '.join(names(lambda m: m.runtime_k))} only. Use one of them, or mode=off."
         )
-    if method not in AUTO_METHODS and mode == "adaptive":
+    if not row.controller and mode == "adaptive":
         return (
             f"{key}.mode=adaptive with speculative_config.method={method!r}: the controller's model of a step's cost "
             f"and acceptance is built for drafters. Run {method}'s k from a schedule with {key}.mode=fixed "

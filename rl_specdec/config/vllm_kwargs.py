@@ -24,6 +24,8 @@ from typing import Any
 
 from rl_specdec.errors import ConfigError
 from rl_specdec.vllm_ext import declarations
+from rl_specdec.vllm_ext.methods import method as method_row
+from rl_specdec.vllm_ext.methods import names
 
 # Engine arguments rl_specdec sets itself, and why.
 RL_SPECDEC_OWNED = {
@@ -34,12 +36,6 @@ RL_SPECDEC_OWNED = {
     "per_request_spec_decode_metrics": "each call's spec-decode counters come from it",
     "scheduler_cls": "policy.generation.speculation_control (run-time k needs its scheduler class)",
 }
-# Methods whose proposer is a separate model given in speculative_config.model.
-DRAFTER_METHODS = {"draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "dflash", "dspark"}
-# Methods that propose without any model (the prompt/history is the drafter).
-MODEL_FREE_METHODS = {"ngram", "ngram_gpu", "suffix"}
-# vLLM 0.32: async scheduling runs with these speculation methods only (vllm/config/vllm.py).
-ASYNC_SCHED_OK = {"draft_model", "ngram_gpu", "dspark", "dflash", "eagle", "eagle3", "extract_hidden_states"}
 
 
 def _local_vocab_size(path: str) -> int | None:
@@ -144,11 +140,11 @@ def _check_method(spec: dict[str, Any], key: str) -> str:
 
 def _check_drafter(spec: dict[str, Any], method: str, key: str) -> None:
     """A drafter model where the method needs one, none where it uses none."""
-    if method in DRAFTER_METHODS and not spec.get("model"):
+    if method_row(method).drafter_model and not spec.get("model"):
         raise ConfigError(
             f"{key}.model is missing: method {method!r} needs a drafter; set {key}.model to its path or hub id."
         )
-    if method in MODEL_FREE_METHODS and spec.get("model"):
+    if method_row(method).model_free and spec.get("model"):
         raise ConfigError(f"{key}.model is set but method {method!r} uses no drafter model; remove {key}.model.")
 
 
@@ -198,7 +194,7 @@ def validate_speculative_config(
         )
     if schedule is not None:
         schedule, k_tokens = _check_schedule(schedule, k_tokens, key)
-    needs_model = method in DRAFTER_METHODS
+    needs_model = method_row(method).drafter_model
     _check_drafter(spec, method, key)
     if policy_model is not None:
         check_drafter_vocabulary(spec, policy_model, key=key)
@@ -210,10 +206,10 @@ def validate_speculative_config(
             "what is sampled; it must not be used for training. Remove it (the default is 'standard')."
         )
 
-    if async_scheduling and method not in ASYNC_SCHED_OK and method not in declarations.mtp_methods():
+    if async_scheduling and not method_row(method).async_scheduling and method not in declarations.mtp_methods():
         raise ConfigError(
             f"vllm_kwargs.async_scheduling=true cannot be combined with {key}.method={method!r} in vLLM 0.32 "
-            f"(async scheduling supports {sorted(ASYNC_SCHED_OK)} and MTP). Set async_scheduling=false "
+            f"(async scheduling supports {names(lambda m: m.async_scheduling)} and MTP). Set async_scheduling=false "
             "or use one of those methods."
         )
 
@@ -228,12 +224,6 @@ def validate_speculative_config(
     return out
 
 
-# Methods rl_specdec runs on vLLM's CPU backend: the ones its losslessness tests start on CPU (suffix also
-# needs arctic-inference). eagle (EAGLE-1) and MTP are not tested on this backend: MTP layers need a policy
-# trained with them, and the heads built here are EAGLE-3's.
-CPU_METHODS = ("draft_model", "eagle3", "ngram", "suffix")
-
-
 def check_backend_runs(
     spec: dict[str, Any] | None,
     *,
@@ -241,17 +231,20 @@ def check_backend_runs(
     key: str = "policy.generation.vllm_kwargs.speculative_config",
     has_arctic_inference: bool | None = None,
 ) -> None:
-    """Refuse a speculation method the backend cannot run: on CPU only CPU_METHODS; suffix needs arctic-inference."""
+    """Refuse a speculation method the backend cannot run: on CPU only the table's ``cpu`` methods (the ones the
+    losslessness tests start there; eagle and MTP are not tested on it: MTP layers need a policy trained with them,
+    and the heads built here are EAGLE-3's); a method's package (suffix: arctic-inference)."""
     method = (spec or {}).get("method")
     if method not in declarations.speculative_methods():
         return  # none, or one validate_speculative_config refuses with the list of methods
-    if on_cpu and method not in CPU_METHODS:
+    row = method_row(method)
+    if on_cpu and not row.cpu:
         raise ConfigError(
             f"{key}.method={method!r} does not run on vLLM's CPU backend: on CPU rl_specdec runs "
-            f"{', '.join(CPU_METHODS)} only (docs/speculative_decoding.md, 'The methods'). Switch method with "
-            f"{key}.method=ngram (or draft_model with a model), or run on GPUs."
+            f"{', '.join(names(lambda m: m.cpu))} only (docs/speculative_decoding.md, 'The methods'). Switch "
+            f"method with {key}.method=ngram (or draft_model with a model), or run on GPUs."
         )
-    if method == "suffix":
+    if row.package == "arctic-inference":
         found = declarations.has_arctic_inference() if has_arctic_inference is None else has_arctic_inference
         if not found:
             raise ConfigError(

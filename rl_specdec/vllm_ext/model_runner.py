@@ -36,6 +36,7 @@ import time
 from typing import Any, Callable
 
 from rl_specdec.vllm_ext.drafter_kv import HeadStash, catch_up
+from rl_specdec.vllm_ext.methods import method as method_row
 
 RUNNER_ATTRS = (
     "execute_model",
@@ -49,9 +50,6 @@ RUNNER_ATTRS = (
     "use_async_scheduling",
     "parallel_config",
 )
-# methods that draft from the request's own token ids, which vLLM keeps in plain steps too: nothing to catch up
-PROMPT_LOOKUP = ("ngram",)
-HEADS = ("eagle3",)  # draft from the policy's hidden states: a plain step keeps them for the catch-up
 HEAD_ATTRS = ("hidden_states", "use_heterogeneous_vocab", "pass_hidden_states_to_model")
 DRAFTER_ATTRS = (
     "input_ids",
@@ -106,14 +104,15 @@ def probe(runner) -> list[str]:
     sc = runner.speculative_config
     if sc is None:
         return ["speculation is off"]
-    if sc.uses_draft_model() or sc.method in HEADS:
+    row = method_row(sc.method)
+    if sc.uses_draft_model() or row.head:
         problems += [f"the drafter has no {a}" for a in DRAFTER_ATTRS if not hasattr(runner.drafter, a)]
-    elif sc.method not in PROMPT_LOOKUP:
+    elif not (row.runtime_k and row.model_free):
         problems.append(
             f"method {sc.method!r}: the fast path is written for draft_model and eagle3 (with the drafter's "
             "catch-up) and ngram (no drafter state) only"
         )
-    if sc.method in HEADS and not problems:
+    if row.head and not problems:
         problems += [f"the head has no {a}" for a in HEAD_ATTRS if not hasattr(runner.drafter, a)]
         if not getattr(runner, "use_aux_hidden_state_outputs", False):
             problems.append("the policy returns no hidden states for the head (use_aux_hidden_state_outputs)")
@@ -205,8 +204,11 @@ class FastPath:
         self.poisoned = False  # a plain step ran: prefix-cached blocks may hold target KV without drafter KV
         self.step_start: dict[str, int] = {}
         self.max_catch_up_tokens = 1 << 30  # tests lower it to exercise the split into pieces
-        self.needs_catch_up = runner.speculative_config.method not in PROMPT_LOOKUP  # ngram keeps no drafter KV
-        self.stash = HeadStash() if runner.speculative_config.method in HEADS else None
+        row = method_row(runner.speculative_config.method)
+        # a method that drafts from the request's own token ids (ngram), which vLLM keeps in plain steps too, has
+        # no drafter state to catch up; a head's is caught up from the hidden states a plain step keeps
+        self.needs_catch_up = not row.model_free
+        self.stash = HeadStash() if row.head else None
         self.catch_up_on = self.needs_catch_up  # tests turn it off to show the self-check fails without it
         self.stats = {"steps": 0, "plain_steps": 0, "catch_up_calls": 0, "catch_up_tokens": 0}
         self.listeners: list[Callable[[StepRecord, Any], None]] = []  # (finished record, next scheduler output)

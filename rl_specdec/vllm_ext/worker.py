@@ -15,10 +15,10 @@ import os
 from typing import Any
 
 from rl_specdec.vllm_ext.lazy import lazy_classes
+from rl_specdec.vllm_ext.methods import method as method_row
 
 EXECUTOR_NAME = "CpuFixedUniProcExecutor"
 TARGETS = ("policy", "drafter")
-MODEL_FREE_METHODS = ("ngram", "ngram_gpu", "suffix")  # proposers without a torch model
 
 
 def check_target(target: str) -> None:
@@ -33,7 +33,7 @@ def model_runner(worker):
 def drafter_model(worker):
     """The drafter's torch module, or None in an engine whose method has no drafter model (ngram, suffix, none)."""
     spec = worker.vllm_config.speculative_config
-    if spec is None or spec.method in MODEL_FREE_METHODS:
+    if spec is None or method_row(spec.method).model_free:
         return None
     return worker.model_runner.drafter.model
 
