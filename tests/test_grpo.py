@@ -174,7 +174,8 @@ def test_resume_continues_with_the_trained_drafter(uninterrupted, tmp_path):
 
 
 def test_engine_yaml_says_what_the_engine_runs(uninterrupted):
-    """async_scheduling was asked for and dropped by vLLM on CPU: one warning names it; honoured settings give none."""
+    """async_scheduling was asked for and dropped by vLLM on CPU: one warning names it; honoured settings give none;
+    with strict_engine_settings the same report stops the run."""
     import yaml
 
     (engine,) = yaml.safe_load((Path(uninterrupted) / "engine.yaml").read_text())["engines"]
@@ -191,14 +192,20 @@ def test_engine_yaml_says_what_the_engine_runs(uninterrupted):
         warned
     )
     assert "vllm: " in (Path(uninterrupted) / "sysinfo.txt").read_text()
-
-
-def test_strict_engine_settings_stop_before_the_first_step(tmp_path):
+    # The same real report under strict_engine_settings: the check the engine group runs as its engines start,
+    # before the first step (rollout/engines.py), stops the run instead of warning.
     from rl_specdec.errors import ConfigError
+    from rl_specdec.rollout import engine_settings
 
+    strict = load_config(
+        ROOT / "configs/grpo_spec.yaml",
+        SMALL + [ASYNC_ON, DUMMY, DRAFTER_ON, "policy.generation.strict_engine_settings=true"],
+    )
+    report = {k: v for k, v in engine.items() if k not in ("engine", "host", "cores")}
     with pytest.raises(ConfigError, match="vllm_kwargs.async_scheduling: requested True, the engine runs False"):
-        _train(tmp_path, "grpo.max_steps=2", ASYNC_ON, "policy.generation.strict_engine_settings=true")
-    assert not (tmp_path / "metrics.jsonl").exists() or all(r["step"] == 0 for r in _rows(tmp_path, with_baseline=True))
+        engine_settings.check(strict.policy.generation, [report], warned.append)
+    assert len(warned) == 1  # raised before warning
+    assert [m.key for m in engine_settings.mismatches(strict.policy.generation, report)] == ["async_scheduling"]
 
 
 def test_a_schedule_the_batch_never_thins_to_says_it_drafted_nothing(tmp_path):
