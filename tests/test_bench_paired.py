@@ -230,3 +230,18 @@ def test_other_variants_sample_without_the_trained_drafters_log_probs():
 def test_first_use_builds_are_reported_once_with_unknowns_named():
     line = builds_line({"toy:wide-eagle3": 243.4, "toy:wide-policy": None}, "AMD EPYC 2c AVX-512")
     assert "toy:wide-eagle3 243 s" in line and "toy:wide-policy not recorded" in line and "AVX-512" in line
+
+
+def test_a_pairs_models_share_the_one_build_that_made_them(tmp_path):
+    import json
+
+    from rl_specdec.toy.build import BUILT, built_seconds, built_where
+
+    pair, alone, old = tmp_path / "pair", tmp_path / "alone", tmp_path / "old"
+    for d in (pair / "policy", pair / "drafter", alone, old / "head"):
+        d.mkdir(parents=True)
+    (pair / BUILT).write_text(json.dumps({"what": "toy pair", "seconds": 190.1, "machine": "m"}))
+    (old / "DONE").write_text("243s")
+    assert built_where(pair / "policy") == built_where(pair / "drafter") == pair
+    assert built_seconds(pair / "drafter") == 190.1 and built_seconds(old / "head") == 243.0
+    assert built_where(alone) == alone and built_seconds(alone) is None  # no record: not a guess

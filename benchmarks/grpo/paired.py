@@ -168,20 +168,24 @@ def checked_variants(p, variants, trained: str) -> None:
 
 def first_use_builds(variants) -> dict[str, float | None]:
     """Every variant's models built now where they are not yet (so no step waits on a build), and the seconds
-    each one's build took, by model name (None: built before build times were kept)."""
+    each one's build took, by model name (None: built before build times were kept); models built together (a
+    toy pair) share one entry, their names joined by " + "."""
     from rl_specdec.config import load_config
-    from rl_specdec.toy.build import built_seconds
+    from rl_specdec.toy.build import built_seconds, built_where
     from rl_specdec.toy.resolve import prepare_models
 
-    out: dict[str, float | None] = {}
+    by_build: dict[Path, list[str]] = {}
     for _, c, o in variants:
         cfg = load_config(c, o)
         ready = prepare_models(load_config(c, o), log=log)
         pairs = [(cfg.policy.model_name, ready.policy.model_name)]
         if cfg.policy.generation.speculation is not None and cfg.policy.generation.speculation.model:
             pairs.append((cfg.policy.generation.speculation.model, ready.policy.generation.speculation.model))
-        out.update({name: built_seconds(Path(folder)) for name, folder in pairs if Path(folder).is_dir()})
-    return out
+        for name, folder in pairs:
+            if Path(folder).is_dir():
+                names = by_build.setdefault(built_where(Path(folder)), [])
+                names += [] if name in names else [name]
+    return {" + ".join(names): built_seconds(root) for root, names in by_build.items()}
 
 
 def run_seed(variants, trained: str, seed: int, steps: int, out: Path) -> list[dict]:

@@ -169,20 +169,22 @@ def _record_build(root: Path, what: str, seconds: float) -> None:
     (root / BUILT).write_text(json.dumps(record) + "\n")
 
 
+def built_where(folder: Path) -> Path:
+    """The build that made ``folder``: itself, or the pair's folder that holds it (one build, several models)."""
+    return next((r for r in (folder, folder.parent) if (r / BUILT).is_file() or (r / "DONE").is_file()), folder)
+
+
 def built_seconds(folder: Path) -> float | None:
     """The seconds the first-use build of ``folder`` (or of the pair that holds it) took, None where it was
     not recorded: a folder built before build times were kept gives the training's seconds in its ``DONE``."""
-    for root in (folder, folder.parent):
-        if (root / BUILT).is_file():
-            return float(json.loads((root / BUILT).read_text())["seconds"])
-        done = root / "DONE"
-        if done.is_file():
-            text = done.read_text().strip()
-            try:
-                return float(text[:-1]) if text.endswith("s") else None
-            except ValueError:
-                return None
-    return None
+    root = built_where(folder)
+    if (root / BUILT).is_file():
+        return float(json.loads((root / BUILT).read_text())["seconds"])
+    text = (root / "DONE").read_text().strip() if (root / "DONE").is_file() else ""
+    try:
+        return float(text[:-1]) if text.endswith("s") else None
+    except ValueError:
+        return None
 
 
 def build_tokenizer():
