@@ -5,14 +5,18 @@ Each error names the key and the fix. None of these needs a model file.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import math
+import typing
 
 from rl_specdec.config import precision
+from rl_specdec.config.kinds import check_kinds
 from rl_specdec.config.schema import LOG_LEVELS, GRPOConfig, PolicyConfig, RunConfig
 from rl_specdec.config.speculation import validate_speculation
 from rl_specdec.errors import ConfigError
+from rl_specdec.vllm_ext.declarations import kind_of
 
 
 def validate_sampling(gen) -> None:
@@ -42,6 +46,8 @@ def cuda_available() -> bool:
 
 
 def positive(name: str, value, allow_zero: bool = False):
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name}={value} must be a finite number")
     if value is None or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{name}={value} must be {bound}")
@@ -165,6 +171,12 @@ def check_task_kwargs(name: str, task_cls, kwargs: dict) -> None:
                 f"task.kwargs.{k} is not an argument of task {name!r} ({task_cls.__name__}).{hint} "
                 f"Its arguments: {', '.join(valid)}."
             )
+    kinds = (
+        {n: kind_of(t) for n, t in typing.get_type_hints(task_cls).items()}
+        if dataclasses.is_dataclass(task_cls)
+        else {}
+    )
+    check_kinds(kwargs, kinds, "task.kwargs")
     missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n in valid and n not in kwargs]
     if missing:
         raise ConfigError(f"task {name!r} ({task_cls.__name__}) needs task.kwargs.{missing[0]}; set it.")

@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from rl_specdec.config.kinds import check_kinds
 from rl_specdec.errors import ConfigError
 from rl_specdec.vllm_ext import declarations
 from rl_specdec.vllm_ext.methods import method as method_row
@@ -35,6 +36,14 @@ RL_SPECDEC_OWNED = {
     "disable_log_stats": "spec-decode metrics need stat logging",
     "per_request_spec_decode_metrics": "each call's spec-decode counters come from it",
     "scheduler_cls": "policy.generation.speculation_control (run-time k needs its scheduler class)",
+}
+# Engine arguments that are sizes: >= 1, or one of the values vLLM gives a meaning (-1: fit to memory).
+ENGINE_SIZES = {
+    "max_model_len": (-1,),
+    "kv_cache_memory_bytes": (),
+    "max_num_seqs": (),
+    "max_num_batched_tokens": (),
+    "block_size": (),
 }
 
 
@@ -76,6 +85,8 @@ def validate_vllm_kwargs(
     for k, by in RL_SPECDEC_OWNED.items():
         if k in kw:
             raise ConfigError(f"{key}.{k} is set by rl_specdec ({by}); remove it from vllm_kwargs.")
+    scalars = {k: v for k, v in kw.items() if k != "speculative_config"}
+    check_kinds(scalars, declarations.engine_arg_kinds(), key, ENGINE_SIZES)
     gmu = kw.get("gpu_memory_utilization")
     if gmu is not None and not (0.0 < float(gmu) <= 1.0):
         raise ConfigError(f"{key}.gpu_memory_utilization={gmu} must be in (0, 1].")
@@ -183,6 +194,7 @@ def validate_speculative_config(
     ``policy_model``: as in :func:`validate_vllm_kwargs`."""
     spec = {k: v for k, v in spec.items() if v is not None}  # a key set to null is unset (model=null after ngram)
     method = _check_method(spec, key)
+    check_kinds(spec, declarations.speculative_config_kinds(), key)
     k_tokens = spec.get("num_speculative_tokens")
     schedule = spec.get("num_speculative_tokens_per_batch_size")
     if k_tokens is None and not schedule:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import types
 import typing
 from typing import Any, Callable
 
@@ -81,6 +82,49 @@ def async_engine_arg_names() -> set[str]:
     return _field_names(AsyncEngineArgs)
 
 
+def kind_of(tp) -> Any:
+    """A declared type as a check that needs no import: "bool", "int", "float", "str", a list of the allowed
+    values (a ``Literal``), or None (any other type, left to its owner to check). Optional adds nothing: a null
+    value means the default and is not checked."""
+    if tp in (bool, int, float, str):
+        return tp.__name__
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return _flatten_literal(tp)
+    if origin not in (typing.Union, types.UnionType):
+        return None
+    kinds = [kind_of(a) for a in typing.get_args(tp) if a is not type(None)]
+    if len(kinds) == 1:
+        return kinds[0]
+    return "str" if "str" in kinds and all(k == "str" or isinstance(k, list) for k in kinds) else None
+
+
+def _kinds(cls) -> dict[str, Any]:
+    return {f.name: k for f in dataclasses.fields(cls) if (k := kind_of(f.type)) is not None}
+
+
+def engine_arg_kinds() -> dict[str, Any]:
+    """Each ``EngineArgs`` field's :func:`kind_of`, where it has one."""
+
+    def read():
+        from vllm.engine.arg_utils import EngineArgs
+
+        return _kinds(EngineArgs)
+
+    return facts.fact("declarations/engine_arg_kinds", read)
+
+
+def speculative_config_kinds() -> dict[str, Any]:
+    """Each ``SpeculativeConfig`` field's :func:`kind_of`, where it has one."""
+
+    def read():
+        from vllm.config.speculative import SpeculativeConfig
+
+        return _kinds(SpeculativeConfig)
+
+    return facts.fact("declarations/speculative_config_kinds", read)
+
+
 def parse_speculation_schedule(schedule: list[Any]) -> list[list[int]]:
     """vLLM's own parser of ``num_speculative_tokens_per_batch_size`` (raises ValueError/TypeError on a bad one)."""
 
@@ -124,6 +168,8 @@ PROBES = {
     "SpeculativeConfig fields": speculative_config_fields,
     "EngineArgs fields": engine_arg_names,
     "AsyncEngineArgs fields": async_engine_arg_names,
+    "EngineArgs field types": engine_arg_kinds,
+    "SpeculativeConfig field types": speculative_config_kinds,
     "validate_and_normalize_dynamic_sd_schedule": lambda: parse_speculation_schedule([[1, 4, 2]]),
     "ToolParserManager": tool_call_parsers,
     "ReasoningParserManager": reasoning_parsers,
