@@ -103,26 +103,30 @@ def _kinds(cls) -> dict[str, Any]:
     return {f.name: k for f in dataclasses.fields(cls) if (k := kind_of(f.type)) is not None}
 
 
+def _declared_kinds(read):
+    """A declaration of field types (a dict), read from the installation's facts file where the store is on."""
+
+    @functools.wraps(read)
+    def declared() -> dict[str, Any]:
+        return facts.fact(f"declarations/{read.__name__}", read)
+
+    return declared
+
+
+@_declared_kinds
 def engine_arg_kinds() -> dict[str, Any]:
     """Each ``EngineArgs`` field's :func:`kind_of`, where it has one."""
+    from vllm.engine.arg_utils import EngineArgs
 
-    def read():
-        from vllm.engine.arg_utils import EngineArgs
-
-        return _kinds(EngineArgs)
-
-    return facts.fact("declarations/engine_arg_kinds", read)
+    return _kinds(EngineArgs)
 
 
+@_declared_kinds
 def speculative_config_kinds() -> dict[str, Any]:
     """Each ``SpeculativeConfig`` field's :func:`kind_of`, where it has one."""
+    from vllm.config.speculative import SpeculativeConfig
 
-    def read():
-        from vllm.config.speculative import SpeculativeConfig
-
-        return _kinds(SpeculativeConfig)
-
-    return facts.fact("declarations/speculative_config_kinds", read)
+    return _kinds(SpeculativeConfig)
 
 
 def parse_speculation_schedule(schedule: list[Any]) -> list[list[int]]:
