@@ -32,7 +32,10 @@ class NeverDrafted:
         spec = gen.speculation
         pays = []
         if spec is not None and spec.model is not None:
-            pays.append(f"a {spec.method} drafter in every engine (built at first use)")
+            pays.append(
+                ("an " if spec.method[0] in "aeiou" else "a ")
+                + f"{spec.method} drafter in every engine (built at first use)"
+            )
         if spec is not None and gen.drafter_training.enabled:
             pays.append("its online update every " + ("step" if gen.drafter_training.every == 1 else "few steps"))
         return cls(" and ".join(pays) or None, trains=spec is not None and gen.drafter_training.enabled)
