@@ -50,7 +50,10 @@ def test_the_cause_it_names_follows_what_the_metrics_show():
     assert "no run-time k report says why" in unknown
     # the batch did reach the drafting range, yet nothing drafted: not blamed on the schedule
     reached = _watch([_step(0, 2)] * 3)[-1]
-    assert "no engine step ran fewer" not in reached and "no run-time k report" in reached
+    assert "no engine step ran fewer" not in reached and "did fall to 2 running requests" in reached
+    assert "inside the schedule's drafting range (1-3)" in reached and "no engine step ran the drafter" in reached
+    ran = _watch([{**_step(0, 2), "spec_decode/drafted_step_fraction": 0.25}] * 3)[-1]
+    assert "up to 25% of a step's engine steps ran the drafter and it proposed no token" in ran
 
 
 def test_what_it_pays_for_comes_from_the_config():

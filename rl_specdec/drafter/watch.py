@@ -25,6 +25,7 @@ class NeverDrafted:
         self.fewest: float | None = None  # the fewest running requests any engine step held, over the steps seen
         self.drafting: set[tuple[int, int]] = set()  # batch-size buckets where run-time k drafted (k > 0)
         self.buckets: set[tuple[int, int]] = set()
+        self.draft_steps = 0.0  # the largest share of engine steps that ran the drafter, over the steps seen
 
     @classmethod
     def for_run(cls, cfg) -> NeverDrafted:
@@ -61,6 +62,7 @@ class NeverDrafted:
         f = spec.get("spec_decode/fewest_running_requests")
         if f is not None:
             self.fewest = f if self.fewest is None else min(self.fewest, f)
+        self.draft_steps = max(self.draft_steps, spec.get("spec_decode/drafted_step_fraction", 0.0))
         for key, k in spec.items():
             m = _BUCKET.match(key)
             if m:
@@ -81,14 +83,26 @@ class NeverDrafted:
         if self.buckets and not self.drafting:
             return ("run-time k chose k=0 at every batch size (no k measured faster)", f"To stop paying for it: {stop}")
         top = max((hi for _, hi in self.drafting), default=None)
+        ranges = ", ".join(f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in sorted(self.drafting))
         if top is not None and self.fewest is not None and self.fewest > top:
-            ranges = ", ".join(f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in sorted(self.drafting))
             return (
                 f"the schedule drafts only at {ranges} running requests, and no engine step ran fewer than "
                 f"{self.fewest:.0f} (rollouts run to the token cap together)",
                 f"Draft where the batch runs ({KEY}.vllm_kwargs.speculative_config.num_speculative_tokens_per_batch_"
                 f"size with k > 0 up to {self.fewest:.0f} requests, where that pays), lower {KEY}.max_new_tokens so "
                 f"the tail thins out; to stop paying for it: {stop}",
+            )
+        if top is not None and self.fewest is not None:
+            ran = (
+                f"up to {self.draft_steps:.0%} of a step's engine steps ran the drafter and it proposed no token"
+                if self.draft_steps > 0
+                else "no engine step ran the drafter there"
+            )
+            return (
+                f"the batch did fall to {self.fewest:.0f} running requests, inside the schedule's drafting range "
+                f"({ranges}), but {ran}",
+                f"Check the drafter ({KEY}.vllm_kwargs.speculative_config.model) and the schedule "
+                f"(num_speculative_tokens_per_batch_size); to stop paying for it: {stop}",
             )
         return (
             "the engines drafted no token (no run-time k report says why)",
