@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     facts.use_file()  # what a config is checked against, read from a file once written
 
-    from rl_specdec.config import ClusterConfig, GenerationConfig, PolicyConfig, validate_vllm_kwargs
+    from rl_specdec.config import ClusterConfig, PolicyConfig, generation_config
     from rl_specdec.grpo import ClippedPGLoss
     from rl_specdec.policy import PolicyGroup
     from rl_specdec.rollout.group import AsyncVllmGeneration
@@ -141,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         "none": None,
     }[args.spec]
     cores = usable_cores()
-    kw = validate_vllm_kwargs(toy_engine_kwargs(speculative_config=spec), str(toy.policy))
     gen = AsyncVllmGeneration(
         str(toy.policy),
-        GenerationConfig(num_engines=1, cpus_per_engine=cores, vllm_kwargs=kw),
+        generation_config(
+            str(toy.policy), toy_engine_kwargs(speculative_config=spec), num_engines=1, cpus_per_engine=cores
+        ),
         ClusterConfig(num_cpus=cores),
         seed=args.seed,
         server=SERVER,

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from rl_specdec.config import GenerationConfig, PolicyConfig, validate_vllm_kwargs
+    from rl_specdec.config import PolicyConfig, generation_config
     from rl_specdec.policy import PolicyGroup
     from rl_specdec.rollout.group import AsyncVllmGeneration
     from rl_specdec.toy.build import build_tokenizer, build_toy_models
@@ -136,12 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
         "none": None,
     }[args.spec]
-    kw = validate_vllm_kwargs(toy_engine_kwargs(speculative_config=spec), str(toy.policy))
     cores = usable_cores()
     ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False)
     gen = AsyncVllmGeneration(
         str(toy.policy),
-        GenerationConfig(num_engines=1, cpus_per_engine=cores, vllm_kwargs=kw),
+        generation_config(
+            str(toy.policy), toy_engine_kwargs(speculative_config=spec), num_engines=1, cpus_per_engine=cores
+        ),
         seed=args.seed,
         server={"chat_template": TOY_CHAT_TEMPLATE, "served_model_name": "toy"},
     )

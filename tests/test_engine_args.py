@@ -149,3 +149,35 @@ def test_loading_every_shipped_config_builds_and_fetches_nothing(tmp_path, monke
     with pytest.warns(UserWarning, match="vocabularies were not compared"):  # the fake folders hold no model
         prepare_models(load_config(ROOT / "configs/grpo_spec.yaml"))
     assert (tmp_path / "cache").exists()
+
+
+def test_an_async_engine_on_cpu_gets_the_executor_that_carries_the_cpu_fix(cpu_without_bf16):
+    """The async worker's engine arguments come from the same function; the executor is named, so the printed
+    arguments are the ones the engine gets, and vLLM resolves it by name."""
+    from rl_specdec.errors import ConfigError
+    from rl_specdec.vllm_ext.worker import EXECUTOR_NAME, EXECUTOR_QUALNAME
+
+    gen = load_config(ROOT / "configs/grpo_spec.yaml").policy.generation
+    sync = engine_args(gen, "/p", 0, EXTENSION, on_cpu=True)
+    got = engine_args(gen, "/p", 0, EXTENSION, asynchronous=True, on_cpu=True)
+    assert "distributed_executor_backend" not in sync
+    assert got == {**sync, "distributed_executor_backend": EXECUTOR_QUALNAME}
+    assert EXECUTOR_QUALNAME == f"rl_specdec.vllm_ext.worker.{EXECUTOR_NAME}"
+    assert "distributed_executor_backend" not in engine_args(gen, "/p", 0, EXTENSION, asynchronous=True, on_cpu=False)
+    gen.vllm_kwargs["tensor_parallel_size"] = 2
+    with pytest.raises(ConfigError, match="remove tensor_parallel_size"):
+        engine_args(gen, "/p", 0, EXTENSION, asynchronous=True, on_cpu=True)
+
+
+def test_generation_settings_made_in_code_are_checked_as_a_loaded_configs_are():
+    from rl_specdec.config import generation_config
+    from rl_specdec.errors import ConfigError
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    gen = generation_config("/p", {"speculative_config": spec}, num_engines=2)
+    assert gen.num_engines == 2 and gen.speculation.k == 3
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        generation_config("/p", {"speculative_config": {**spec, "num_speculative_tokens": "abc"}})
+    control = SpeculationControlConfig(mode="sometimes")
+    with pytest.raises(ConfigError, match="speculation_control.mode='sometimes'"):
+        generation_config("/p", {"speculative_config": spec}, speculation_control=control)

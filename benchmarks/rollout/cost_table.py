@@ -87,17 +87,18 @@ def drafter_spec(models, drafter: str) -> dict:
 
 
 def start(models, pair: str, speculate: bool, model=None, drafter: str = "draft_model"):
-    from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.config import generation_config
     from rl_specdec.config.generation import SpeculationControlConfig
 
     max_len, kv, _ = PAIRS[pair]
     spec = drafter_spec(models, drafter) if speculate else None
     kw = {"max_model_len": max_len, "kv_cache_memory_bytes": kv, "dtype": "float32", "speculative_config": spec}
     kw["enable_prefix_caching"] = False  # the short and the long call prefill alike
-    cfg = GenerationConfig(
+    cfg = generation_config(
+        str(model or models.policy),
+        kw,
         num_engines=1,
         cpus_per_engine=2,
-        vllm_kwargs=validate_vllm_kwargs(kw, str(model or models.policy)),
         self_check=False,
         speculation_control=SpeculationControlConfig(mode="fixed" if speculate else "off"),
     )

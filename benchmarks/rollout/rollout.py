@@ -106,19 +106,17 @@ def start(
     k: int | None = None,
     env_vars: dict | None = None,
 ):
-    from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.config import generation_config
     from rl_specdec.rollout.group import VllmGeneration
     from rl_specdec.toy.presets import toy_engine_kwargs
 
     kw = toy_engine_kwargs(dtype=args.dtype, enforce_eager=bool(args.eager))
     k = args.k if k is None else k
-    kw = validate_vllm_kwargs(
-        {**kw, "speculative_config": spec_for(method, str(models.drafter), k, args.schedule)}, str(models.policy)
-    )
-    cfg = GenerationConfig(
+    cfg = generation_config(
+        str(models.policy),
+        {**kw, "speculative_config": spec_for(method, str(models.drafter), k, args.schedule)},
         num_engines=num_engines,
         cpus_per_engine=cpus_per_engine,
-        vllm_kwargs=kw,
         self_check=False,
         env_vars=dict(env_vars or {}),
     )

@@ -83,18 +83,18 @@ ENGINES = {  # name -> (speculative_config or None, speculation_control mode)
 
 
 def start(models, spec: dict | None, mode: str):
-    from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.config import generation_config
     from rl_specdec.config.generation import SpeculationControlConfig
     from rl_specdec.rollout.group import VllmGeneration
     from rl_specdec.toy.presets import toy_engine_kwargs
 
     if spec is not None:
         spec = {"method": "draft_model", "model": str(models.drafter), **spec}
-    kw = validate_vllm_kwargs({**toy_engine_kwargs(), "speculative_config": spec}, str(models.policy))
-    cfg = GenerationConfig(
+    cfg = generation_config(
+        str(models.policy),
+        {**toy_engine_kwargs(), "speculative_config": spec},
         num_engines=1,
         cpus_per_engine=2,
-        vllm_kwargs=kw,
         self_check=False,
         speculation_control=SpeculationControlConfig(mode=mode),
     )

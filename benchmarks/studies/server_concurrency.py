@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for results.json and table.md")
     args = ap.parse_args(argv)
 
-    from rl_specdec.config import ClusterConfig, GenerationConfig, validate_vllm_kwargs
+    from rl_specdec.config import ClusterConfig, generation_config
     from rl_specdec.tasks.sorting import SortingTask
     from rl_specdec.toy.build import build_toy_models
     from rl_specdec.toy.presets import TOY_CHAT_TEMPLATE, toy_engine_kwargs, usable_cores
@@ -237,11 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [s.prompt[:-1] for s in SortingTask(max_len=24).make_batch(seed=args.seed + 17, n=64)]
     cores, load0 = usable_cores(), os.getloadavg()
     print(f"load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} ({cores} cores)", flush=True)
-    kw = validate_vllm_kwargs(toy_engine_kwargs(speculative_config=spec), str(toy.policy))
     server = {"chat_template": TOY_CHAT_TEMPLATE, "served_model_name": "toy"}
     g = ABGeneration(
         str(toy.policy),
-        GenerationConfig(num_engines=1, cpus_per_engine=cores, vllm_kwargs=kw),
+        generation_config(
+            str(toy.policy), toy_engine_kwargs(speculative_config=spec), num_engines=1, cpus_per_engine=cores
+        ),
         ClusterConfig(num_cpus=cores),
         server,
         legacy_source,

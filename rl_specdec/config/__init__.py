@@ -11,7 +11,7 @@ loads (the last one against vLLM's own declarations, with no model file);
 """
 
 from rl_specdec.config.checks import validate
-from rl_specdec.config.engine_args import Speculation, engine_args
+from rl_specdec.config.engine_args import Speculation, engine_args, generation_config
 from rl_specdec.config.generation import (
     CanaryConfig,
     ClusterConfig,
@@ -67,6 +67,7 @@ __all__ = [
     "check_engine_args",
     "check_runs_here",
     "engine_args",
+    "generation_config",
     "load_config",
     "load_config_as_written",
     "parse_overrides",

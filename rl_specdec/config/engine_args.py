@@ -27,21 +27,46 @@ from typing import Any
 
 from rl_specdec.config.generation import SCHEDULE_END, GenerationConfig, Speculation
 
-__all__ = ["SCHEDULE_END", "Speculation", "engine_args"]  # the flow from the config to an engine, in one module
+# the flow from the config to an engine, in one module
+__all__ = ["SCHEDULE_END", "Speculation", "engine_args", "generation_config"]
 
 
-def engine_args(gen: GenerationConfig, model: str, seed: int, extension: str, quiet: bool = False) -> dict[str, Any]:
+def generation_config(policy_model: str, vllm_kwargs: dict[str, Any] | None = None, **fields: Any) -> GenerationConfig:
+    """Generation settings made in code (an example, a benchmark), checked as a loaded config's are: ``vllm_kwargs``
+    against vLLM's declarations (a draft model's vocabulary against ``policy_model``'s), then speculation's
+    companions (run-time k, the canary, drafter training), ``auto`` resolved. ``fields``: any other field of
+    :class:`GenerationConfig`; a :class:`~rl_specdec.errors.ConfigError` names what is wrong."""
+    from rl_specdec.config.speculation import validate_speculation
+    from rl_specdec.config.vllm_kwargs import validate_vllm_kwargs
+
+    gen = GenerationConfig(vllm_kwargs=validate_vllm_kwargs(vllm_kwargs, policy_model), **fields)
+    validate_speculation(gen)
+    return gen
+
+
+def engine_args(
+    gen: GenerationConfig,
+    model: str,
+    seed: int,
+    extension: str,
+    quiet: bool = False,
+    asynchronous: bool = False,
+    on_cpu: bool | None = None,
+) -> dict[str, Any]:
     """Every keyword argument of an engine of ``gen``'s group: ``vllm_kwargs`` (validated), the speculative config
     (with run-time k's settings when it is on), and what rl_specdec sets itself (``RL_SPECDEC_OWNED``).
 
     ``extension``: vLLM's ``worker_extension_cls`` (rl_specdec's engine extension, or a test's subclass of it);
-    ``quiet``: no weight-loading bars (a console above INFO)."""
+    ``quiet``: no weight-loading bars (a console above INFO); ``asynchronous``: an ``AsyncLLM`` engine (the async
+    worker's), which on CPU (``on_cpu``; None: vLLM's platform is asked) runs rl_specdec's executor."""
     from rl_specdec.vllm_ext.scheduler import SCHEDULER_QUALNAME
 
     kw = {k: v for k, v in gen.vllm_kwargs.items() if k != "speculative_config"}
     kw.update(model=model, seed=seed, disable_log_stats=False, worker_extension_cls=extension)  # stats: the metrics
     if quiet:
         kw.setdefault("use_tqdm_on_load", False)
+    if asynchronous:
+        _async_executor(kw, on_cpu)
     spec = gen.speculation
     if spec is None:
         return kw
@@ -51,3 +76,26 @@ def engine_args(gen: GenerationConfig, model: str, seed: int, extension: str, qu
     if control is not None:
         kw["scheduler_cls"] = SCHEDULER_QUALNAME
     return kw
+
+
+def _async_executor(kw: dict[str, Any], on_cpu: bool | None) -> None:
+    """``AsyncLLM`` always runs its engine core in a process of its own, spawned, which a fix applied in the actor
+    never reaches; on CPU the executor named here applies the CPU fixes (sampling, compile cache) in that process,
+    so it must be the only worker there."""
+    from rl_specdec.errors import ConfigError
+    from rl_specdec.vllm_ext.worker import EXECUTOR_QUALNAME
+
+    if on_cpu is None:
+        from rl_specdec.vllm_ext.platform import is_cpu
+
+        on_cpu = is_cpu()
+    if not on_cpu:
+        return
+    world = int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
+    if world > 1 or kw.get("distributed_executor_backend") not in (None, "uni"):
+        raise ConfigError(
+            "the async engine on CPU runs one worker in the engine-core process (so the CPU sampling fix reaches "
+            "it): remove tensor_parallel_size/pipeline_parallel_size/distributed_executor_backend from "
+            "policy.generation.vllm_kwargs, or use the synchronous engine."
+        )
+    kw["distributed_executor_backend"] = EXECUTOR_QUALNAME

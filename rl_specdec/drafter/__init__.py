@@ -1,6 +1,8 @@
-"""Online drafter training: keep a ``draft_model`` drafter on-policy while the policy learns.
+"""The drafter's life while the policy learns: online training, refits, the acceptance canary, the never-drafted watch.
 
-See :mod:`rl_specdec.drafter.trainer` for the loss, the data and where it runs.
+Two drafters train online (``drafter_training``): a ``draft_model`` drafter, distilled towards the policy in its own
+actor (:mod:`rl_specdec.drafter.trainer`), and an EAGLE-3 head, trained from the policy's hidden states inside the
+policy's update (:mod:`rl_specdec.heads`). :mod:`rl_specdec.drafter.upkeep` runs either after each step.
 """
 
 from rl_specdec.drafter.trainer import DrafterTrainer, RayDrafter, distill_batch

@@ -76,11 +76,13 @@ class VllmWorkerBase:
             logging.getLogger("vllm").setLevel(os.environ[QUIET_ENV])
         check_vllm(config.allow_untested_vllm, config.vllm_hook_features(server))
 
-    def _engine_kwargs(self, config: GenerationConfig, model: str, seed: int) -> dict[str, Any]:
+    def _engine_kwargs(
+        self, config: GenerationConfig, model: str, seed: int, asynchronous: bool = False
+    ) -> dict[str, Any]:
         """What this engine receives (:func:`rl_specdec.config.engine_args.engine_args`), with this actor's
         extension class and console level."""
         quiet = logging.getLevelName(os.environ.get(QUIET_ENV, "INFO")) > logging.INFO
-        return engine_args(config, model, seed, self.extension, quiet=quiet)
+        return engine_args(config, model, seed, self.extension, quiet=quiet, asynchronous=asynchronous)
 
     def _note_platform(self) -> None:
         self.sleep_available = platform.sleep_available()

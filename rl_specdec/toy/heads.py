@@ -1,4 +1,5 @@
-"""EAGLE-3 heads for the embedded targets, built here with no download (``toy:eagle3``, ``toy:wide-eagle3``).
+"""EAGLE-3 heads built here with no download: the embedded targets' (``toy:eagle3``, ``toy:wide-eagle3``) and a
+packaged chat model's (``pkg:*-eagle3``, from the model's own answers to its task's prompts).
 
 ``toy:eagle3-untrained`` is the digit toy's head with random weights (no training steps): a cold start.
 

@@ -18,6 +18,7 @@ from rl_specdec.vllm_ext.lazy import lazy_classes
 from rl_specdec.vllm_ext.methods import method as method_row
 
 EXECUTOR_NAME = "CpuFixedUniProcExecutor"
+EXECUTOR_QUALNAME = f"{__name__}.{EXECUTOR_NAME}"  # vLLM resolves a backend given by name (resolve_obj_by_qualname)
 TARGETS = ("policy", "drafter")
 
 
@@ -184,12 +185,6 @@ def _make_executor_class():
 
 # pickle finds the executor class by this module attribute, in the engine-core process too
 __getattr__ = lazy_classes(__name__, globals(), {EXECUTOR_NAME: _make_executor_class})
-
-
-def cpu_fixed_executor():
-    """The executor class for ``AsyncLLM`` on CPU (built on first use): it applies the CPU fix in the
-    engine-core process, which ``AsyncLLM`` always spawns."""
-    return __getattr__(EXECUTOR_NAME)
 
 
 def _probe_reload() -> None:

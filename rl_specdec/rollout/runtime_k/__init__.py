@@ -1,7 +1,9 @@
 """Run-time k: each engine changes its number of drafted tokens while it runs
 (``policy.generation.speculation_control``).
 
-An opt-in feature for ``draft_model`` speculation, removable as a unit:
+Installed where ``speculation_control.mode`` is not ``off``, for the methods whose row in
+:mod:`rl_specdec.vllm_ext.methods` has ``runtime_k`` (``draft_model``, ``eagle3``, ``ngram``; the controller for
+those with ``controller``). Its parts:
 
 * the engine arguments it needs (vLLM's dynamic-k mode, k_max, the scheduler class) are built with every
   other engine argument in :mod:`rl_specdec.config.engine_args`;

@@ -29,12 +29,10 @@ from typing import Any, AsyncIterator, Sequence
 
 from rl_specdec.config.generation import GenerationConfig
 from rl_specdec.config.serving import ServerConfig
-from rl_specdec.errors import ConfigError
 from rl_specdec.rollout.interfaces import SamplingSettings
 from rl_specdec.rollout.runtime_k.startup import drive, install_script
 from rl_specdec.rollout.worker import VllmWorkerBase
 from rl_specdec.vllm_ext import platform
-from rl_specdec.vllm_ext.worker import cpu_fixed_executor
 
 
 def per_prompt(value, n: int, name: str) -> list:
@@ -53,19 +51,6 @@ class AsyncVllmWorker(VllmWorkerBase):
         self.engine = None
         self.server = None
 
-    def _async_engine_kwargs(self, config: GenerationConfig, model: str, seed: int) -> dict[str, Any]:
-        kwargs = self._engine_kwargs(config, model, seed)
-        if platform.is_cpu():
-            world = int(kwargs.get("tensor_parallel_size", 1)) * int(kwargs.get("pipeline_parallel_size", 1))
-            if world > 1 or kwargs.get("distributed_executor_backend") not in (None, "uni"):
-                raise ConfigError(
-                    "the async engine on CPU runs one worker in the engine-core process (so the CPU "
-                    "sampling fix reaches it): remove tensor_parallel_size/pipeline_parallel_size/"
-                    "distributed_executor_backend from vllm_kwargs, or use the synchronous engine."
-                )
-            kwargs["distributed_executor_backend"] = cpu_fixed_executor()
-        return kwargs
-
     async def start_engine(
         self, model: str, config: GenerationConfig, seed: int, cpu_bind: str | None, server: ServerConfig | None = None
     ) -> dict[str, Any]:
@@ -75,7 +60,7 @@ class AsyncVllmWorker(VllmWorkerBase):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = self._async_engine_kwargs(config, model, seed)
+        kwargs = self._engine_kwargs(config, model, seed, asynchronous=True)
         self.engine, self.seed = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), seed
         self._note_platform()
         await self._drive(self._control_script(config, seed))
