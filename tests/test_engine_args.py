@@ -181,3 +181,14 @@ def test_generation_settings_made_in_code_are_checked_as_a_loaded_configs_are():
     control = SpeculationControlConfig(mode="sometimes")
     with pytest.raises(ConfigError, match="speculation_control.mode='sometimes'"):
         generation_config("/p", {"speculative_config": spec}, speculation_control=control)
+
+
+def test_the_typed_speculation_is_kept_and_follows_a_replaced_dict():
+    spec = {"method": "draft_model", "model": "toy:drafter", "num_speculative_tokens": 3}
+    gen = GenerationConfig(vllm_kwargs={"speculative_config": spec})
+    first = gen.speculation
+    assert gen.speculation is first  # typed once, not on each read
+    gen.set_drafter_model("/d")
+    assert gen.speculation.model == "/d" and spec["model"] == "toy:drafter"  # replaced, not edited in place
+    gen.vllm_kwargs = {}
+    assert gen.speculation is None

@@ -224,12 +224,24 @@ class GenerationConfig:
     @property
     def speculation(self) -> Speculation | None:
         """``vllm_kwargs.speculative_config`` typed and frozen (None: no speculation). The dict stays vLLM's shape
-        for the YAML and the printed config; every reader outside ``rl_specdec.config`` takes this instead."""
-        return Speculation.from_vllm(self.vllm_kwargs.get("speculative_config"))
+        for the YAML and the printed config; every reader outside ``rl_specdec.config`` takes this instead.
+
+        Typed once and kept beside the dict it came from: nothing edits that dict in place (a change replaces it,
+        as :meth:`set_drafter_model` does), so the object is rebuilt only when the dict is another one."""
+        raw = self.vllm_kwargs.get("speculative_config")
+        kept = self.__dict__.get("_typed")  # not a field: OmegaConf, equality and the printed config ignore it
+        if kept is None or kept[0] is not raw:
+            kept = self.__dict__["_typed"] = (raw, Speculation.from_vllm(raw))
+        return kept[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles (Ray) leave the typed object behind: it holds a read-only mapping, and a copy types
+        its own dict again on first read."""
+        return {k: v for k, v in self.__dict__.items() if k != "_typed"}
 
     def set_drafter_model(self, model: str) -> None:
         """The drafter's name replaced by its folder (rl_specdec.toy.resolve.prepare_models)."""
-        self.vllm_kwargs["speculative_config"]["model"] = model
+        self.vllm_kwargs["speculative_config"] = {**self.vllm_kwargs["speculative_config"], "model": model}
 
     def without_speculation(self) -> GenerationConfig:
         """These settings with speculation off (what a group restarts with when speculation is turned off)."""

@@ -71,13 +71,16 @@ def train_head(target, batches, cfg: HeadBuildConfig, log=print):
         return head.eval()
     rng = random.Random(cfg.seed)
     pool, counts = [], torch.zeros(shape.vocab_size, dtype=torch.long)
-    for _ in range(cfg.pool):
+    t0, every = time.time(), max(cfg.pool // 4, 1)
+    for i in range(cfg.pool):
         ids, mask = batches(rng)  # mask [B, T]: 1 on response tokens
         learn = torch.nn.functional.pad(mask[:, 1:], (0, 1))  # [B, T]: row t predicts a response token t+1
         aux, logp = target_features(target, ids, shape.aux_layer_ids)
         # logp [B, T, V]: large on a wide vocabulary, so the pool may keep it in bf16
         pool.append((ids, learn, aux, logp.to(getattr(torch, cfg.pool_dtype))))
         counts += torch.bincount(ids[mask > 0], minlength=shape.vocab_size)
+        if (i + 1) % every == 0:  # the pool is a build's slow start where the target generates: show it moving
+            log(f"  head pool {i + 1}/{cfg.pool} batches of the target's features ({time.time() - t0:.0f}s)")
     embed = target.get_input_embeddings().weight.detach()
     lm_head = target.get_output_embeddings().weight.detach()
     if cfg.draft_vocab:
