@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 
 def pytest_collection_finish(session) -> None:
     """Every test module is imported: leave the import-time heap (torch, transformers, vLLM, Ray) out of later
-    garbage collections, as the engine workers do before vLLM's loader collects (VllmWorker._freeze_heap)."""
+    garbage collections, as the engine workers do before vLLM's loader collects (VllmWorker.freeze_heap)."""
     import gc
 
     gc.collect()

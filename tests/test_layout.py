@@ -223,3 +223,29 @@ def test_the_config_room_imports_nothing_of_the_toy_room():
     assert room_edges(graph, "rl_specdec.config", "rl_specdec.toy") == [
         "rl_specdec.config.load -> rl_specdec.toy.build"
     ]
+
+
+def private_reaches(path: str, source: str) -> list[str]:
+    """``path:line name`` for each private name of rl_specdec a benchmark imports (``from rl_specdec.x import
+    _y``, or a module ``rl_specdec.x._y``): what a benchmark needs is public, so the package can change its
+    insides without breaking the figures' commands."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rl_specdec"):
+            names = [node.module] + [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("rl_specdec")]
+        else:
+            continue
+        out += [f"{path}:{node.lineno} {n}" for n in names if any(p.startswith("_") for p in n.split("."))]
+    return out
+
+
+def test_no_benchmark_imports_a_private_name_of_rl_specdec():
+    found = [hit for p in sorted((ROOT / "benchmarks").rglob("*.py")) for hit in private_reaches(str(p), p.read_text())]
+    assert not found, "make these public in rl_specdec, or reach them through a public call: " + "; ".join(found)
+
+
+def test_the_private_import_check_catches_a_name_and_a_module():
+    source = "from rl_specdec.toy.heads import _chat_batches\nimport rl_specdec.policy._inner\nfrom rl_specdec import x"
+    assert private_reaches("b.py", source) == ["b.py:1 _chat_batches", "b.py:2 rl_specdec.policy._inner"]

@@ -82,7 +82,7 @@ GRPO_VARIANTS: dict[str, tuple[str, list[str]]] = {
     # table, vLLM's static schedule, a concurrency threshold (FastGRPO's rule) and the controller
     "wide base": ("configs/grpo_base_wide.yaml", []),
     "wide k=4": ("configs/grpo_spec_wide.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=4"]),
-    # the best fixed k on the Intel Xeon by benchmarks/studies/k_profile.py (k=3, 4 within 4%; docs/lab/wide_pair.md,
+    # the best fixed k on the Intel Xeon by the k_profile study (k=3, 4 within 4%; docs/lab/wide_pair.md,
     # "Where the time goes, and the ceiling against the schedule")
     "wide k=5": ("configs/grpo_spec_wide.yaml", [f"{CONTROL}.mode=off", f"{SPEC}.num_speculative_tokens=5"]),
     "wide schedule": (

@@ -15,7 +15,7 @@ Each variant has its own cache folders (``VLLM_CACHE_ROOT``, ``TORCHINDUCTOR_CAC
   start, from Inductor's own caches;
 * ``eager``: no compile (``enforce_eager=true``);
 * ``thawed``, ``eager_thawed``: ``fix`` and ``eager`` without the worker's heap freeze before ``vllm.LLM(...)``
-  (``VllmWorker._freeze_heap``), so each garbage collection vLLM's loader runs walks every imported object.
+  (``VllmWorker.freeze_heap``), so each garbage collection vLLM's loader runs walks every imported object.
 
 Columns: ``start`` is what the group logs as the engine's start (``start_engine``); ``LLM()`` is vLLM's
 engine construction in it (load, compile, warm-up); ``rest`` is the imports and CPU-fix probes before it
@@ -33,7 +33,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from benchmarks.bench_common import add_out, cores_and_load, log, markdown_report
@@ -73,22 +72,11 @@ def child(config: str, overrides: list[str], decode: bool) -> None:
     from rl_specdec.rollout.worker import VllmWorker
     from rl_specdec.toy.resolve import prepare_models
 
-    class TimedWorker(VllmWorker):
-        def _engine_kwargs(self, config, model, seed):  # called right before vllm.LLM(...)
-            self.llm_t0 = time.time()
-            return super()._engine_kwargs(config, model, seed)
-
-        def _note_platform(self) -> None:  # called right after it
-            self.llm_s = time.time() - self.llm_t0
-            super()._note_platform()
-
-        if os.environ.get(THAWED):
-            _freeze_heap = staticmethod(lambda: None)
-
     cfg = prepare_models(load_config(config, overrides))
-    worker = TimedWorker()
+    worker = VllmWorker()
+    worker.freeze_heap = not os.environ.get(THAWED)
     info = worker.start_engine(cfg.policy.model_name, cfg.policy.generation, cfg.seed, None)
-    result = {"start_s": info["start_s"], "llm_s": worker.llm_s, "compile_cache": info["compile_cache"]}
+    result = {"start_s": info["start_s"], "llm_s": info["llm_s"], "compile_cache": info["compile_cache"]}
     if decode:
         result["decode"] = _decode_rates(worker)
     print(RESULT + json.dumps(result), flush=True)

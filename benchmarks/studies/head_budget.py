@@ -35,9 +35,9 @@ def sample_answers(target, policy: str, n: int, seed: int) -> tuple[list, float]
     answer), and the seconds it took (transformers' generate, 64 prompts at a time)."""
     import torch
 
-    from rl_specdec.toy.heads import _chat_batches
+    from rl_specdec.toy.heads import chat_batches
 
-    sample, rng, out, t0 = _chat_batches(policy, target, batch=64), random.Random(seed), [], time.time()
+    sample, rng, out, t0 = chat_batches(policy, target, batch=64), random.Random(seed), [], time.time()
     while 8 * len(out) < n:
         ids, mask = sample(rng)
         for i in range(0, ids.shape[0], 8):

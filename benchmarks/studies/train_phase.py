@@ -204,7 +204,7 @@ def peak_of_one_pass(workload: str, name: str) -> None:
 
     w = start(workload)
     batch = make_batch(workload, 0, w.model.config.vocab_size)
-    mb = next(iter(w._micro_batches(batch, w._layout(batch))))[1]
+    mb = next(iter(w.micro_batches(batch)))[1]
     loss_fn = ClippedPGLoss(0.2, kl_coef=0.0)
 
     def one_pass() -> None:

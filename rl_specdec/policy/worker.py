@@ -192,6 +192,11 @@ class PolicyWorker:
                 return grouped, even, True
         return order, bounds, False
 
+    def micro_batches(self, batch: dict[str, torch.Tensor]):
+        """The micro-batches a train step runs ``batch`` in (:meth:`_layout`'s order and cuts): (indices,
+        micro_batch)."""
+        return self._micro_batches(batch, self._layout(batch))
+
     def _micro_batches(self, batch: dict[str, torch.Tensor], layout: tuple):
         """The micro-batches of a :meth:`_layout`, each trimmed to its own longest sequence. The loss is
         normalised by the whole batch's token count, so order does not matter for training.

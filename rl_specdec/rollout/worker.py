@@ -178,8 +178,11 @@ class VllmWorker(VllmWorkerBase):
     objects (the state dict) without serialising them.
     """
 
+    freeze_heap = True  # before vLLM's loader runs (:func:`_freeze_heap`); a study of engine start turns it off
+
     def start_engine(self, model: str, config: GenerationConfig, seed: int, cpu_bind: str | None) -> dict[str, Any]:
-        """Build the engine; returns start-up facts (time, CPU fix, platform, cores)."""
+        """Build the engine; returns start-up facts (time, ``llm_s`` of it in ``vllm.LLM()``, CPU fix, platform,
+        cores)."""
         t0 = time.time()
         self._prepare_process(config, cpu_bind)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -190,23 +193,15 @@ class VllmWorker(VllmWorkerBase):
         apply_compile_cache_fix()
         from vllm import LLM
 
-        self._freeze_heap()
-        self.llm, self.seed = LLM(**self._engine_kwargs(config, model, seed)), seed
+        if self.freeze_heap:
+            _freeze_heap()
+        kwargs, t_llm = self._engine_kwargs(config, model, seed), time.time()
+        self.llm, self.seed = LLM(**kwargs), seed
+        llm_s = time.time() - t_llm
         self._note_platform()
         self._drive(self._control_script(config, seed))
         facts, settings = (self.llm.collective_rpc(m)[0] for m in ("rl_specdec_engine_facts", "rl_specdec_settings"))
-        return self._start_info(t0, cpu_bind, facts, settings)
-
-    @staticmethod
-    def _freeze_heap() -> None:
-        """Leave what the imports built out of every later garbage collection. vLLM's loader collects after
-        each model it loads; over the heap torch, transformers and vLLM leave behind, each collection takes
-        about half a second on 2 cores, most of a toy engine's construction. vLLM freezes the heap itself once
-        its engine is built, and unfreezes it when the engine shuts down."""
-        import gc
-
-        gc.collect()
-        gc.freeze()
+        return {**self._start_info(t0, cpu_bind, facts, settings), "llm_s": llm_s}
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, offset: int) -> dict[str, Any]:
         """Generate for this shard. ``offset`` is the shard's index in the batch (for per-request seeds)."""
@@ -298,3 +293,14 @@ class VllmWorker(VllmWorkerBase):
 
         self.llm = None
         gc.collect()
+
+
+def _freeze_heap() -> None:
+    """Leave what the imports built out of every later garbage collection. vLLM's loader collects after each model
+    it loads; over the heap torch, transformers and vLLM leave behind, each collection takes about half a second on
+    2 cores, most of a toy engine's construction. vLLM freezes the heap itself once its engine is built, and
+    unfreezes it when the engine shuts down."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

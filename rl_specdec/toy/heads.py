@@ -189,10 +189,10 @@ CHAT_INSTRUCTION = "Answer in one short sentence, then give the final answer as 
 def build_chat_head(policy: Path, cfg: HeadBuildConfig = CHAT_HEAD, log=print) -> Path:
     """A head for a chat model's folder (``pkg:*-eagle3``), trained the first time on the model's own
     temperature-1 answers to the chat arithmetic task, and cached inside that folder."""
-    return cached_head(policy, policy, lambda target: _chat_batches(policy, target), cfg, log)
+    return cached_head(policy, policy, lambda target: chat_batches(policy, target), cfg, log)
 
 
-def _chat_batches(policy: Path, target, batch: int = 8, new_tokens: int = 64):
+def chat_batches(policy: Path, target, batch: int = 8, new_tokens: int = 64):
     """``batches(rng)`` -> (ids [B, T] right-padded, mask [B, T]: 1 on the model's sampled answer)."""
     import torch
     from transformers import AutoTokenizer
