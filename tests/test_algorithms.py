@@ -339,7 +339,7 @@ def test_time_until_done_and_tail_metrics():
 
 
 def test_drafter_subset_is_bounded_seeded_and_complete_when_unbounded():
-    from rl_specdec.drafter.upkeep import drafter_subset
+    from rl_specdec.drafter.online import drafter_subset
 
     assert drafter_subset(128, 0, step=3) == list(range(128))
     assert drafter_subset(16, 32, step=3) == list(range(16))

@@ -128,14 +128,13 @@ def test_device_precision_and_engine_dtype_are_resolved_once_at_load():
     native = "bf16-mixed" if cpu_has_native_bf16() else "fp32"
     assert (p.device, p.precision, p.generation.vllm_kwargs["dtype"]) == ("cpu", native, COMPUTE[native])  # no CUDA
     for has_bf16, want in ((True, ("bf16-mixed", "bfloat16")), (False, ("fp32", "float32"))):
-        cpu = PolicyConfig()
-        resolve_device_and_dtype(cpu, cuda_available=False, cpu_bf16=has_bf16)
+        written = PolicyConfig()
+        cpu = resolve_device_and_dtype(written, cuda_available=False, cpu_bf16=has_bf16)
         assert (cpu.device, cpu.precision, cpu.generation.vllm_kwargs["dtype"]) == ("cpu", *want)
-    gpu = PolicyConfig()
-    resolve_device_and_dtype(gpu, cuda_available=True)
+        assert written == PolicyConfig()  # resolution returns new settings and leaves these as written
+    gpu = resolve_device_and_dtype(PolicyConfig(), cuda_available=True)
     assert (gpu.device, gpu.precision, gpu.generation.vllm_kwargs["dtype"]) == ("cuda", "bf16-mixed", "bfloat16")
-    fixed = PolicyConfig(device="cuda", precision="fp32")
-    resolve_device_and_dtype(fixed, cuda_available=False)
+    fixed = resolve_device_and_dtype(PolicyConfig(device="cuda", precision="fp32"), cuda_available=False)
     assert (fixed.device, fixed.precision) == ("cuda", "fp32")  # explicit values stay (a CPU head, GPU workers)
 
 

@@ -192,3 +192,16 @@ def test_the_typed_speculation_is_kept_and_follows_a_replaced_dict():
     assert gen.speculation.model == "/d" and spec["model"] == "toy:drafter"  # replaced, not edited in place
     gen.vllm_kwargs = {}
     assert gen.speculation is None
+
+
+def test_resolution_returns_a_new_config_and_leaves_the_one_it_was_given_as_written():
+    from rl_specdec.config import to_dict
+    from rl_specdec.config.load import load_config_as_written, resolve
+
+    written = load_config_as_written(ROOT / "configs/grpo_spec.yaml")
+    before = to_dict(written)
+    resolved = resolve(written)
+    assert to_dict(written) == before  # nothing changed in place
+    assert written.policy.generation.speculation_control.mode == "auto" and written.policy.device == "auto"
+    assert resolved.policy.generation.speculation_control.mode == "fixed" and resolved.policy.device == "cpu"
+    assert "dtype" not in written.policy.generation.vllm_kwargs and "dtype" in resolved.policy.generation.vllm_kwargs

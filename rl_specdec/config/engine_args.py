@@ -36,12 +36,10 @@ def generation_config(policy_model: str, vllm_kwargs: dict[str, Any] | None = No
     against vLLM's declarations (a draft model's vocabulary against ``policy_model``'s), then speculation's
     companions (run-time k, the canary, drafter training), ``auto`` resolved. ``fields``: any other field of
     :class:`GenerationConfig`; a :class:`~rl_specdec.errors.ConfigError` names what is wrong."""
-    from rl_specdec.config.speculation import validate_speculation
+    from rl_specdec.config.speculation import resolved_speculation
     from rl_specdec.config.vllm_kwargs import validate_vllm_kwargs
 
-    gen = GenerationConfig(vllm_kwargs=validate_vllm_kwargs(vllm_kwargs, policy_model), **fields)
-    validate_speculation(gen)
-    return gen
+    return resolved_speculation(GenerationConfig(vllm_kwargs=validate_vllm_kwargs(vllm_kwargs, policy_model), **fields))
 
 
 def engine_args(

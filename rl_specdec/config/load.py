@@ -32,7 +32,7 @@ config prints and validates anywhere.
 ``${...}`` interpolation works as in any OmegaConf file.
 """
 
-import copy
+import dataclasses
 import difflib
 import os
 from pathlib import Path
@@ -46,6 +46,7 @@ from rl_specdec.config.checks import validate
 from rl_specdec.config.layers import apply_overrides, read_yaml
 from rl_specdec.config.models import DRAFTER_KEY, check_name
 from rl_specdec.config.schema import PolicyConfig, RunConfig
+from rl_specdec.config.speculation import resolved_speculation
 from rl_specdec.errors import ConfigError
 
 
@@ -111,27 +112,31 @@ def _load_unresolved(path: str | os.PathLike | None, overrides: list[str] | None
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load, merge, type-check and validate a run config; builds nothing (see module doc)."""
-    cfg = _load_unresolved(path, overrides)
-    resolve_device_and_dtype(cfg.policy)
-    check_engine_args(cfg)
-    return cfg
+    return resolve(_load_unresolved(path, overrides))
 
 
 def load_config_as_written(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """The config as written (``auto`` unresolved), after every check of :func:`load_config`."""
+    """The config as written (``auto`` and nulls unresolved), after every check of :func:`load_config`."""
     cfg = _load_unresolved(path, overrides)
-    probe = copy.deepcopy(cfg)
-    resolve_device_and_dtype(probe.policy)
-    check_engine_args(probe)
+    resolve(cfg)  # for its checks: the config as written is left as it is
     return cfg
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """``cfg`` resolved as a new config (``cfg`` is left as it is): speculation's ``auto`` and nulls, the device,
+    the precision and the engines' dtype, and ``vllm_kwargs`` with vLLM's RL defaults filled in."""
+    gen = resolved_speculation(cfg.policy.generation)
+    policy = resolve_device_and_dtype(dataclasses.replace(cfg.policy, generation=gen))
+    return check_engine_args(dataclasses.replace(cfg, policy=policy))
 
 
 # ---- validation ------------------------------------------------------------------------------------------------
 
 
-def check_engine_args(cfg: RunConfig) -> None:
-    """vLLM's gate, the ``toy:*`` and ``pkg:*`` names, and ``vllm_kwargs`` against vLLM's declarations, its RL
-    defaults filled in. No model file is read and nothing is fetched: a hub id is a name here."""
+def check_engine_args(cfg: RunConfig) -> RunConfig:
+    """vLLM's gate, the ``toy:*`` and ``pkg:*`` names, and ``vllm_kwargs`` against vLLM's declarations; returns a
+    new config whose ``vllm_kwargs`` has the RL defaults filled in. No model file is read and nothing is fetched: a
+    hub id is a name here."""
     from rl_specdec.config.speculation import check_trainable_method
     from rl_specdec.config.vllm_kwargs import validate_vllm_kwargs
     from rl_specdec.vllm_ext import check_vllm
@@ -139,11 +144,12 @@ def check_engine_args(cfg: RunConfig) -> None:
     gen = cfg.policy.generation
     check_vllm(gen.allow_untested_vllm, gen.vllm_hook_features())  # before anything else reads vLLM
     check_name(cfg.policy.model_name, "policy.model_name")
-    gen.vllm_kwargs = validate_vllm_kwargs(gen.vllm_kwargs, None, training=True)
+    gen = dataclasses.replace(gen, vllm_kwargs=validate_vllm_kwargs(gen.vllm_kwargs, None, training=True))
     check_trainable_method(gen)  # after vLLM's check: an unknown method is named as vLLM's, not as untrainable
     spec = gen.vllm_kwargs.get("speculative_config")
     if spec and spec.get("model"):
         check_name(spec["model"], DRAFTER_KEY)
+    return dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, generation=gen))
 
 
 def check_runs_here(cfg: RunConfig) -> None:
@@ -161,8 +167,11 @@ def check_runs_here(cfg: RunConfig) -> None:
     check_backend_runs(spec, on_cpu=on_cpu)
 
 
-def resolve_device_and_dtype(p: PolicyConfig, cuda_available: bool | None = None, cpu_bf16: bool | None = None) -> None:
-    """Replace 'auto' once, at load: device cuda where the loading process sees CUDA, else cpu;
+def resolve_device_and_dtype(
+    p: PolicyConfig, cuda_available: bool | None = None, cpu_bf16: bool | None = None
+) -> PolicyConfig:
+    """``p`` with 'auto' resolved, as new settings (``p`` is left as it is): device cuda where the loading process
+    sees CUDA, else cpu;
     precision bf16-mixed on cuda and on a CPU with native bf16 (``cpu_bf16``: probed when None), else
     fp32; the engines' dtype (``vllm_kwargs.dtype``) the
     precision's compute dtype unless set, checked against the precision. Workers and engines use what
@@ -170,11 +179,14 @@ def resolve_device_and_dtype(p: PolicyConfig, cuda_available: bool | None = None
 
     On a Ray cluster whose head has no GPU but whose workers do, set ``policy.device=cuda``.
     """
-    if p.device == "auto":
-        p.device = "cuda" if (checks.cuda_available() if cuda_available is None else cuda_available) else "cpu"
-    p.precision = precision.resolve(p.precision, p.device, cpu_bf16)
-    p.generation.vllm_kwargs["dtype"] = precision.engine_dtype(p)  # the engine samples in the trainer's compute dtype
-    precision.check_pairing(p.precision, p.generation.vllm_kwargs["dtype"])
+    device = p.device
+    if device == "auto":
+        device = "cuda" if (checks.cuda_available() if cuda_available is None else cuda_available) else "cpu"
+    out = dataclasses.replace(p, device=device, precision=precision.resolve(p.precision, device, cpu_bf16))
+    dtype = precision.engine_dtype(out)  # the engine samples in the trainer's compute dtype
+    precision.check_pairing(out.precision, dtype)
+    gen = dataclasses.replace(p.generation, vllm_kwargs={**p.generation.vllm_kwargs, "dtype": dtype})
+    return dataclasses.replace(out, generation=gen)
 
 
 def check_cluster_resources(cfg: RunConfig, resources: dict[str, float]) -> None:

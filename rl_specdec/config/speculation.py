@@ -1,11 +1,14 @@
 """Load-time checks of the speculation keys of ``policy.generation``: the acceptance canary, online
-drafter training, and run-time k (``speculation_control``).
+drafter training, and run-time k (``speculation_control``); and their resolution (:func:`resolved_speculation`),
+which returns new settings and changes nothing it is given.
 
 Each error names the key and the fix. Nothing here needs vLLM: the checks of ``vllm_kwargs`` against
 vLLM's own declarations are in :mod:`rl_specdec.config.vllm_kwargs`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from rl_specdec.config.generation import GenerationConfig, SpeculationControlConfig
 from rl_specdec.errors import ConfigError
@@ -24,6 +27,12 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
 
 def validate_speculation(gen: GenerationConfig) -> None:
     """The canary, run-time k and drafter training: values, and whether the method supports them."""
+    resolved_speculation(gen)
+
+
+def resolved_speculation(gen: GenerationConfig) -> GenerationConfig:
+    """``gen`` checked, with its speculation's nulls and ``auto`` resolved (run-time k's mode, start and fast
+    path; the drafter's learning rate), as new settings: ``gen`` itself is left as it is."""
     c = gen.acceptance_canary
     if c.action not in ("warn", "disable", "fail"):
         raise ConfigError(f"{KEY}.acceptance_canary.action={c.action!r} must be warn, disable or fail")
@@ -32,16 +41,17 @@ def validate_speculation(gen: GenerationConfig) -> None:
             f"{KEY}.acceptance_canary.min_ratio={c.min_ratio} must be in (0, 1); 0.5 trips at half the usual acceptance"
         )
     _positive(f"{KEY}.acceptance_canary.window", c.window)
-    validate_speculation_control(gen)
-    validate_drafter_training(gen)
+    control = resolved_control(gen)
+    return dataclasses.replace(gen, speculation_control=control, drafter_training=resolved_drafter_training(gen))
 
 
-def validate_drafter_training(gen: GenerationConfig) -> None:
+def resolved_drafter_training(gen: GenerationConfig):
+    """``drafter_training`` checked, its learning rate's null resolved for the method (a new object)."""
     d = gen.drafter_training
     if not d.enabled:
-        return
+        return d
     method = (gen.vllm_kwargs.get("speculative_config") or {}).get("method")
-    d.learning_rate = d.lr_for(method)
+    d = dataclasses.replace(d, learning_rate=d.lr_for(method))
     for name in ("learning_rate", "steps_per_update", "every", "micro_batch_size"):
         _positive(f"{KEY}.drafter_training.{name}", getattr(d, name))
     if d.max_sequences < 0:
@@ -54,6 +64,7 @@ def validate_drafter_training(gen: GenerationConfig) -> None:
             f"{KEY}.drafter_training.top_k={d.top_k} must be in 1..20 (vLLM returns at most 20 log-probs per token)"
         )
     _positive(f"{KEY}.drafter_training.chain_steps", d.chain_steps)
+    return d
 
 
 def check_trainable_method(gen: GenerationConfig) -> None:
@@ -77,35 +88,34 @@ def check_trainable_method(gen: GenerationConfig) -> None:
         )
 
 
-def validate_speculation_control(gen: GenerationConfig) -> None:
+def resolved_control(gen: GenerationConfig) -> SpeculationControlConfig:
     """Run-time k: its numbers, and an engine it can run in (draft_model, eagle3 or ngram, a UniProc executor, no
     async scheduling); ``k0_fast_path`` null resolves to true.
 
     ``auto`` resolves here: where run-time k can run with a drafter (draft_model, eagle3), ``fixed`` when
     ``draft_below`` is set (a rule: nothing to measure) and ``adaptive`` otherwise; elsewhere ``off`` (vLLM's own
     k), so that switching speculation off or to another method stays one key. ``off`` ignores ``draft_below``, as
-    it ignores the controller's keys."""
+    it ignores the controller's keys. Returns the resolved settings, a new object."""
     c = gen.speculation_control
-    if str(c.mode).lower() == "false":  # YAML 1.1 reads a bare `off` as false
-        c.mode = "off"
-    if c.mode not in CONTROL_MODES:
-        raise ConfigError(f"{CONTROL_KEY}.mode={c.mode!r} must be one of {', '.join(CONTROL_MODES)}.")
-    problem = _control_engine_problem(gen) if c.mode != "off" else None
+    mode = "off" if str(c.mode).lower() == "false" else c.mode  # YAML 1.1 reads a bare `off` as false
+    if mode not in CONTROL_MODES:
+        raise ConfigError(f"{CONTROL_KEY}.mode={mode!r} must be one of {', '.join(CONTROL_MODES)}.")
+    problem = _control_engine_problem(gen) if mode != "off" else None
     method = (gen.vllm_kwargs.get("speculative_config") or {}).get("method")
-    if c.mode == "auto":
+    if mode == "auto":
         off = problem or not method_row(method).controller
-        c.mode = "off" if off else "fixed" if c.draft_below is not None else "adaptive"
-    c.k0_fast_path = c.fast_path
-    if c.mode == "off":
-        return
+        mode = "off" if off else "fixed" if c.draft_below is not None else "adaptive"
+    c = dataclasses.replace(c, mode=mode, k0_fast_path=c.fast_path)
+    if mode == "off":
+        return c
     if problem:
         raise ConfigError(problem)
     _check_control_numbers(c, gen.speculation.k)
     _check_draft_below(c, gen.vllm_kwargs["speculative_config"])
-    _resolve_start(c, gen.vllm_kwargs["speculative_config"])
+    return dataclasses.replace(c, start=_resolved_start(c, gen.vllm_kwargs["speculative_config"]))
 
 
-def _resolve_start(c: SpeculationControlConfig, spec: dict) -> None:
+def _resolved_start(c: SpeculationControlConfig, spec: dict) -> str | None:
     """Where the controller starts: null resolves to ``schedule`` when speculative_config has one, else ``zero``."""
     key = f"{CONTROL_KEY}.start"
     if c.start not in (None, "zero", "schedule"):
@@ -119,9 +129,10 @@ def _resolve_start(c: SpeculationControlConfig, spec: dict) -> None:
                 f"{key}={c.start} applies to the controller only, and mode is {c.mode}: remove {key}, or set "
                 f"{CONTROL_KEY}.mode=adaptive."
             )
-        return
+        return None
     if c.start is None:
-        c.start = "schedule" if spec.get("num_speculative_tokens_per_batch_size") else "zero"
+        return "schedule" if spec.get("num_speculative_tokens_per_batch_size") else "zero"
+    return c.start
 
 
 def _check_draft_below(c: SpeculationControlConfig, spec: dict) -> None:

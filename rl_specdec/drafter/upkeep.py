@@ -1,112 +1,75 @@
-"""The drafter's life in the GRPO loop: online training, refit, and the acceptance canary.
+"""The drafter's life in the GRPO loop: online training, refit, the acceptance canary, the never-drafted watch.
 
-Per step (see docs/speculative_decoding.md, "The drafter's lifecycle"):
+Per step (see docs/speculative_decoding.md, "The drafter's lifecycle"), for either drafter that learns online
+(:mod:`rl_specdec.drafter.online`: a draft model in its own actor, or an EAGLE-3 head in the policy's update):
 
-1. the rollouts of a step that trains the drafter ask vLLM for the policy's
-   top-k log-probs (:meth:`DrafterUpkeep.top_k`);
-2. right after generation the canary checks the step's acceptance rate
-   (:meth:`check`), and with ``overlap`` the drafter starts training in its
-   own actor while the policy updates (:meth:`after_generation`);
-3. after the policy's refit, the drafter's step is joined (or run, without
-   ``overlap``) and its weights are refit into every engine, verified like
-   the policy's (:meth:`after_refit`).
+1. the rollouts of a step that trains the drafter ask vLLM for the log-probs it learns from
+   (:meth:`DrafterUpkeep.top_k`: the policy's top-k for a draft model, none for a head);
+2. right after generation the canary checks the step's acceptance rate (:meth:`check`), and the drafter is
+   given the step's rollouts (:meth:`after_generation`; a draft model with ``overlap`` starts training in its
+   own actor while the policy updates);
+3. after the policy's refit, the drafter's step is finished and its weights are refit into every engine,
+   verified like the policy's (:meth:`after_refit`).
 
-At set-up the engines get the trainer's drafter (:meth:`sync`); checkpoints
-carry the drafter's weights and optimizer (:meth:`save`, :meth:`load`).
+At set-up the engines get the trainer's drafter (:meth:`sync`); checkpoints carry it (:meth:`save`, :meth:`load`).
 """
 
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
 
 from rl_specdec.config import RunConfig
 from rl_specdec.drafter.canary import AcceptanceCanary
+from rl_specdec.drafter.online import DraftModelDrafter, OnlineDrafter, PolicyHeadDrafter
 from rl_specdec.drafter.watch import NeverDrafted
 from rl_specdec.errors import SpecDecodeCanaryTripped
 from rl_specdec.metrics.logger import Timer
 from rl_specdec.rollout import GenerationOutput, RolloutEngine
 
 logger = logging.getLogger(__name__)
-HEAD_STEP = "head"  # the pending batch of a step whose head learns inside the policy's update
-
-
-def drafter_subset(n: int, max_sequences: int, step: int) -> list[int]:
-    """Indices of the rollouts the drafter trains on at ``step``: all, or ``max_sequences`` of them at random
-    (seeded by the step)."""
-    if max_sequences <= 0 or max_sequences >= n:
-        return list(range(n))
-    return sorted(random.Random(step).sample(range(n), max_sequences))
-
-
-class PolicyHead:
-    """The trainer :class:`DrafterUpkeep` drives, for an EAGLE-3 head that learns inside the policy's update.
-
-    Nothing to start or to train here: the policy workers train the head on the update's forward
-    (rl_specdec.policy.head) and keep it in the policy's checkpoints."""
-
-    def __init__(self, policy):
-        self.policy, self.version = policy, 0.0
-
-    def train(self, batch) -> None:
-        pass  # the policy's update trained it
-
-    def result(self) -> dict[str, float]:
-        r = self.policy.head_result()
-        fresh, self.version = r.get("version", 0.0) > self.version, r.get("version", self.version)
-        return r if fresh else {}
-
-    def state_dict_for_refit(self):
-        return self.policy.head_state_dict_for_refit()
-
-    def save_checkpoint(self, path: str) -> None:
-        pass  # in the policy's checkpoint
-
-    def load_checkpoint(self, path: str) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
 
 
 class DrafterUpkeep:
-    def __init__(self, cfg: RunConfig, trainer=None):
+    """The drafter's part of each step; ``drafter`` (an :class:`~rl_specdec.drafter.online.OnlineDrafter`, None
+    where nothing trains online) is called the same way whichever kind it is."""
+
+    def __init__(self, cfg: RunConfig, drafter: OnlineDrafter | None = None):
         gen = cfg.policy.generation
-        self.training, self.trainer = gen.drafter_training, trainer
+        self.training, self.drafter = gen.drafter_training, drafter
         c = gen.acceptance_canary
         self.canary, self.action = AcceptanceCanary(min_ratio=c.min_ratio, window=c.window), c.action
         self.speculating = gen.speculation is not None
         self.watch = NeverDrafted.for_run(cfg)
-        self._batch = None
+        self._began = False
 
     @classmethod
     def create(cls, cfg: RunConfig, on_gpu: bool, policy=None) -> "DrafterUpkeep":
-        trainer = None
-        if cfg.policy.generation.drafter_training.enabled:
-            from rl_specdec.drafter import RayDrafter
+        gen = cfg.policy.generation
+        if not gen.drafter_training.enabled:
+            return cls(cfg)
+        if gen.speculation.is_head:
+            return cls(cfg, PolicyHeadDrafter(policy))
+        from rl_specdec.drafter import RayDrafter
 
-            spec = cfg.policy.generation.speculation
-            if spec.is_head:
-                return cls(cfg, PolicyHead(policy))
-            trainer = RayDrafter(
-                spec.model,
-                cfg.policy.generation.drafter_training,
-                cfg.policy.precision,
-                cfg.seed,
-                num_gpus=0.5 if on_gpu else 0,
-                engine_dtype=cfg.policy.generation.vllm_kwargs["dtype"],
-            )
-        return cls(cfg, trainer)
+        trainer = RayDrafter(
+            gen.speculation.model,
+            gen.drafter_training,
+            cfg.policy.precision,
+            cfg.seed,
+            num_gpus=0.5 if on_gpu else 0,
+            engine_dtype=gen.vllm_kwargs["dtype"],
+        )
+        return cls(cfg, DraftModelDrafter(trainer, gen.drafter_training))
 
     # ---- per step --------------------------------------------------------------------------
     def trains_at(self, step: int) -> bool:
-        return self.trainer is not None and self.speculating and (step + 1) % self.training.every == 0
+        return self.drafter is not None and self.speculating and (step + 1) % self.training.every == 0
 
     def top_k(self, step: int) -> int:
-        """Log-probs per generated token the rollouts must return (0: none). A head learns from the policy's
-        update, not from the engines' log-probs: its rollouts ask for none, and pay nothing for them."""
-        return self.training.top_k if self.trains_at(step) and not isinstance(self.trainer, PolicyHead) else 0
+        """Log-probs per generated token the rollouts must return (0: none; a head learns from the policy's
+        update, not from the engines' log-probs, so its rollouts ask for none and pay nothing for them)."""
+        return self.drafter.top_k if self.trains_at(step) else 0
 
     def check(self, spec_metrics: dict[str, float], generation: RolloutEngine) -> dict[str, float]:
         """The acceptance canary on this step's rollouts (every step follows a refit); before it, whether a
@@ -138,36 +101,25 @@ class DrafterUpkeep:
         return {"spec_decode/canary": 1.0}
 
     def after_generation(self, step: int, prompt_ids: list[list[int]], out: GenerationOutput, pad_id: int) -> None:
-        if self.trains_at(step) and isinstance(self.trainer, PolicyHead):
-            self._batch = HEAD_STEP  # it learns from the policy's update, not from the rollouts' log-probs
-        elif self.trains_at(step):
-            from rl_specdec.drafter import distill_batch
-
-            idx = drafter_subset(len(prompt_ids), self.training.max_sequences, step)
-            pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-            self._batch = distill_batch(
-                pick(prompt_ids), pick(out.token_ids), pick(out.top_logprobs), self.training.top_k, pad_id
-            )
-            if self.training.overlap:
-                self.trainer.train(self._batch)
+        if self.trains_at(step):
+            self.drafter.begin(step, prompt_ids, out, pad_id)
+            self._began = True
 
     def after_refit(self, generation: RolloutEngine | None, timer: Timer) -> dict[str, float]:
         """Finish the drafter's step and refit it into the engines; its metrics ({} on steps without one).
 
         ``generation`` None: finish the step but leave the engines as they are (a stop dropped rollouts they are
         still generating; the checkpoint holds the new drafter, and a resumed run loads it into its engines)."""
-        if self._batch is None:
+        if not self._began:
             return {}
+        self._began = False
         with timer("drafter_wait"):  # the part of the drafter's step on the critical path
-            if not self.training.overlap:
-                self.trainer.train(self._batch)
-            result = self.trainer.result()
-        self._batch = None
+            result = self.drafter.finish()
         if not result:  # a head whose update did not step (a schedule restored out of phase): nothing new
             return {}
         if generation is not None:
             with timer("drafter_refit"):
-                generation.update_weights(self.trainer.state_dict_for_refit(), target="drafter")
+                generation.update_weights(self.drafter.weights(), target="drafter")
         return {
             **{f"drafter/{k}": v for k, v in result.items() if k != "time_s"},
             "timing/drafter_train": result["time_s"],
@@ -176,25 +128,20 @@ class DrafterUpkeep:
     # ---- set-up, checkpoints, shutdown ---------------------------------------------------------
     def sync(self, generation: RolloutEngine) -> None:
         """Put the trainer's drafter into every engine (before the first rollout, and after a resume)."""
-        if self.trainer is not None:
-            generation.update_weights(self.trainer.state_dict_for_refit(), target="drafter")
+        if self.drafter is not None:
+            generation.update_weights(self.drafter.weights(), target="drafter")
 
     def save(self, path: Path) -> None:
-        if self.trainer is not None:
-            self.trainer.save_checkpoint(str(path / "drafter"))
+        if self.drafter is not None:
+            self.drafter.save(path)
 
     def load(self, path: Path) -> None:
-        if self.trainer is None or isinstance(self.trainer, PolicyHead):  # a head comes back with the policy
-            return
-        if (path / "drafter").is_dir():
-            self.trainer.load_checkpoint(str(path / "drafter"))
-        else:
+        if self.drafter is not None and not self.drafter.load(path):
             logger.warning(
-                "checkpoint %s has no drafter (drafter_training was off): continuing with %s",
+                "checkpoint %s has no drafter (drafter_training was off): continuing with the configured drafter",
                 path,
-                "the configured drafter",
             )
 
     def shutdown(self) -> None:
-        if self.trainer is not None:
-            self.trainer.shutdown()
+        if self.drafter is not None:
+            self.drafter.shutdown()
