@@ -28,6 +28,16 @@ class PolicyWorkerDied(RuntimeError):
     """A policy worker process died; the group cannot continue (the message names its rank and node)."""
 
 
+class ProcessDied(RuntimeError):
+    """A process of the run that is not an engine died (the trainer while it streamed the refit, the drafter's
+    trainer), and the engines met its death through the work they waited on; the message names it from Ray's
+    own report (``process``: its actor class)."""
+
+    def __init__(self, message: str, process: str = ""):
+        super().__init__(message)
+        self.process = process
+
+
 class CheckpointDamaged(RuntimeError):
     """No complete checkpoint in the folder is intact (the message names each damaged file)."""
 
@@ -80,6 +90,7 @@ __all__ = [
     "GenerationEngineDied",
     "PolicyWorkerDied",
     "PrefixSpliceError",
+    "ProcessDied",
     "RunStopped",
     "SamplingSelfCheckFailed",
     "SleepNotSupported",

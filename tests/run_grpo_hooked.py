@@ -11,6 +11,9 @@ task before the rollouts (a phase a stop drops), as it does on the engines.
 and the drafter have written their files, as a disk that fills up mid-save does.
 
 ``RL_SPECDEC_TEST_VLLM_VERSION=<version>``: the version vLLM reports to rl_specdec's gate.
+
+``RL_SPECDEC_TEST_KILL_TRAINER_IN_REFIT=<n>``: the n-th refit's stream (1: the set-up's, 2: step 1's) SIGKILLs the
+policy worker of rank 0 once the engines have loaded its first bucket, as the OOM killer would.
 """
 
 from __future__ import annotations
@@ -78,6 +81,29 @@ def _disk_full(step: int) -> None:
     checkpoint.write_manifest = write_manifest
 
 
+def _kill_trainer_in_refit(call: int) -> None:
+    import signal
+
+    from rl_specdec.policy.group import PolicyGroup
+
+    real, calls = PolicyGroup.state_dict_buckets, [0]
+
+    def state_dict_buckets(self):
+        calls[0] += 1
+        stream = real(self)
+        if calls[0] != call:
+            return stream
+
+        def killed():
+            yield next(stream)  # the engines load it; the trainer dies before it sends the next
+            os.kill(self.nodes[0]["pid"], signal.SIGKILL)
+            yield from stream
+
+        return killed()
+
+    PolicyGroup.state_dict_buckets = state_dict_buckets
+
+
 def main() -> None:
     from rl_specdec.metrics.console import configure_console
 
@@ -87,6 +113,8 @@ def main() -> None:
         _pause(phase, int(step), float(seconds))
     if step := os.environ.get("RL_SPECDEC_TEST_DISK_FULL"):
         _disk_full(int(step))
+    if call := os.environ.get("RL_SPECDEC_TEST_KILL_TRAINER_IN_REFIT"):
+        _kill_trainer_in_refit(int(call))
     if version := os.environ.get("RL_SPECDEC_TEST_VLLM_VERSION"):
         from rl_specdec import vllm_ext
 

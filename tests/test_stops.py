@@ -283,6 +283,24 @@ def test_a_driver_killed_outright_leaves_no_process_behind(tmp_path):
 
 
 @pytest.mark.integration
+def test_a_trainer_killed_while_it_streams_the_refit_is_named_as_the_trainer(tmp_path):
+    """SIGKILL to the policy worker after the engines loaded the first bucket of step 1's refit: the run stops
+    (exit 1) naming the trainer, not an engine, with what is on disk and run.max_restarts; no traceback or Ray
+    report follows on the console."""
+    run = grpo(tmp_path, NO_WANDB, "checkpoint.every=50", env={"RL_SPECDEC_TEST_KILL_TRAINER_IN_REFIT": "2"})
+    assert run.finish() == 1, run.output
+    assert run.leftovers() == []
+    (err,) = [ln for ln in run.lines if ln.startswith("error: ")]
+    assert "the trainer (a policy worker)" in err and "the engines are alive" in err, err
+    assert "GenerationEngineDied" not in run.output and "vLLM engine actor died" not in run.output, run.output
+    (stopped,) = [ln for ln in run.lines if "GRPO stopped at step 1: ProcessDied" in ln]
+    assert "there is no checkpoint yet (checkpoint.every=50" in stopped and "run.max_restarts=1" in stopped
+    after = run.output[run.output.index("GRPO stopped") :]
+    for raw in ("Traceback", "Unhandled error", "Exception ignored", "ActorDiedError"):
+        assert raw not in after, after
+
+
+@pytest.mark.integration
 def test_a_full_disk_keeps_the_checkpoints_and_stops_naming_the_folder(tmp_path):
     """The step-4 checkpoint cannot be written (ENOSPC after the policy's files): the half-written folder is
     removed, step 2's is intact, and the run stops (exit 1) naming the folder and its free space."""

@@ -203,6 +203,10 @@ def _log_failure(run: GRPORun, step: int, e: BaseException) -> None:
         where = f"; there is no checkpoint yet (checkpoint.every={run.cfg.checkpoint.every} bounds what a fault loses)"
     else:
         where = "; checkpoint.enabled=false: there is nothing to resume from"
+    from rl_specdec.grpo.restarts import restartable
+
+    if isinstance(e, restartable()) and not run.cfg.run.max_restarts and run.checkpoints:
+        where += "; run.max_restarts=1 would have restarted the run from its newest checkpoint by itself"
     logger.error("GRPO stopped at step %d: %s: %s%s", step + 1, type(e).__name__, e, where)
 
 

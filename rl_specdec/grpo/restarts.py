@@ -5,7 +5,8 @@ After a fatal fault of any of the run's processes but the driver, the run is set
 
 * an engine that died and was not replaced (:class:`~rl_specdec.errors.GenerationEngineDied`: replacement off
   or past ``policy.generation.engine_restart``'s bounds, a replacement that did not start);
-* a policy worker that died (:class:`~rl_specdec.errors.PolicyWorkerDied`);
+* a policy worker that died (:class:`~rl_specdec.errors.PolicyWorkerDied`, or
+  :class:`~rl_specdec.errors.ProcessDied` where the engines met its death, as in the refit's stream);
 * any other of the run's Ray actors that died (the drafter's trainer: Ray's ``RayActorError``).
 
 Anything else still ends the run, as it would meet the same error again: a config error, a stop by a signal,
@@ -28,7 +29,7 @@ import time
 from typing import Any, Callable
 
 from rl_specdec.config import RunConfig
-from rl_specdec.errors import GenerationEngineDied, PolicyWorkerDied
+from rl_specdec.errors import GenerationEngineDied, PolicyWorkerDied, ProcessDied
 from rl_specdec.grpo.recovery import within_hour
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def restartable() -> tuple[type[BaseException], ...]:
     """The errors that mean a process of the run died (Ray imported only when a run is on)."""
     from ray.exceptions import RayActorError
 
-    return (GenerationEngineDied, PolicyWorkerDied, RayActorError)
+    return (GenerationEngineDied, PolicyWorkerDied, ProcessDied, RayActorError)
 
 
 def refused(cfg: RunConfig, times: list[float], now: float) -> str | None:

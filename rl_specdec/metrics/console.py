@@ -26,6 +26,14 @@ def configure_console(level: str = "error") -> None:
     for lib in THIRD_PARTY_LOGGERS:
         logging.getLogger(lib).setLevel(getattr(logging, name))
     logging.getLogger("rl_specdec").setLevel(logging.INFO)
+    logging.getLogger("ray._private.worker").addFilter(_leftover_ray_errors)
+
+
+def _leftover_ray_errors(record: logging.LogRecord) -> bool:
+    """Ray logs, as each is garbage collected, the error held by every result no one read: after a fault the run
+    has named (a dead process, say) that is every piece of work abandoned with it, Ray's raw report each time.
+    Those stay off a quiet console; the fault's own line says what happened."""
+    return not (record.getMessage().startswith("Unhandled error") and console_level() > logging.INFO)
 
 
 def console_level() -> int:

@@ -177,7 +177,7 @@ class PolicyGroup:
             logger.debug("Ray's report of the dead policy worker: %s", errors[dead[0]])
             raise PolicyWorkerDied(
                 f"policy worker {', '.join(self._where(r) for r in dead)} died: {death_cause(errors[dead[0]])}. "
-                f"The policy group ({len(ranks)} workers) is stopped; checkpoints on disk are intact."
+                f"The policy group ({len(ranks)} workers) is stopped."
             ) from errors[dead[0]]
         first = min(errors)
         raise RuntimeError(f"policy worker {self._where(first)} failed: {errors[first]}") from errors[first]
@@ -248,7 +248,10 @@ class PolicyGroup:
         return self._stream(gens, ranks)
 
     def _stream(self, gens: list, ranks: list[int]) -> Iterator[Any]:
-        yield from gens[0]
+        # a plain loop, not `yield from`: closing this generator early (a refit that failed) must not close Ray's
+        # streaming generator, whose close() raises
+        for ref in gens[0]:
+            yield ref
         for rank, gen in zip(ranks[1:], gens[1:]):  # the other ranks yield nothing, unless they failed
             for ref in gen:
                 self._get([ref], [rank])

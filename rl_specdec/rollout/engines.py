@@ -11,6 +11,7 @@ is the run's to decide (``on_engine_death``), since only the trainer holds the w
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any, Callable, Sequence
 
@@ -20,7 +21,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_specdec.config.generation import ClusterConfig, GenerationConfig
-from rl_specdec.errors import GenerationEngineDied
+from rl_specdec.errors import GenerationEngineDied, ProcessDied
 from rl_specdec.rollout import engine_settings
 from rl_specdec.rollout.placement import (
     assign_cpu_binds,
@@ -31,6 +32,24 @@ from rl_specdec.rollout.placement import (
 )
 
 logger = logging.getLogger(__name__)
+# the run's other actors, as a user knows them (Ray's report names the class)
+KNOWN_PROCESSES = {"PolicyWorker": "the trainer (a policy worker)", "DrafterTrainer": "the drafter's trainer"}
+
+
+def other_process_died(error: RayActorError) -> ProcessDied:
+    """The death of an actor that is not an engine, named from Ray's report (its class and pid)."""
+    text = str(error)
+    cls = (re.search(r"class_name: (\w+)", text) or [None, ""])[1]
+    pid = re.search(r"pid: (\d+)", text)
+    who = KNOWN_PROCESSES.get(cls, f"the run's {cls} process" if cls else "a process of the run")
+    who += f" (pid {pid[1]})" if pid else ""
+    logger.debug("Ray's report of the dead process: %s", text)
+    return ProcessDied(
+        f"{who} died while the engines waited on its work; the engines are alive. Its process ended without an "
+        "error of its own, most often the kernel's OOM killer (`dmesg | grep -i 'killed process'` shows its "
+        "record), else a signal or a crash",
+        cls,
+    )
 
 
 class EngineSlots:
@@ -157,10 +176,19 @@ class EngineSlots:
                 logger.info("engine %d did not answer within %gs: busy, not dead", i, timeout_s)
         return dead
 
+    def _is_engine(self, error: RayActorError) -> bool:
+        """Whether the actor Ray reports dead is one of this group's (an error that names none counts as one)."""
+        ours = {w._actor_id.hex() for w in self.workers}
+        if self._checksummer is not None:
+            ours.add(self._checksummer._actor_id.hex())
+        return getattr(error, "actor_id", None) in ours | {None}
+
     def _get(self, refs):
         try:
             return ray.get(refs)
         except RayActorError as e:
+            if not self._is_engine(e):  # a task's input from a process that died (the trainer's refit stream)
+                raise other_process_died(e) from e
             raise GenerationEngineDied(
                 f"a vLLM engine actor died ({e.__class__.__name__}): {e}. "
                 "Check the actor's log above (out of memory? killed?) and restart the run; "
@@ -178,6 +206,8 @@ class EngineSlots:
                 try:
                     out[j] = ray.get(refs[j])
                 except RayActorError as e:
+                    if not self._is_engine(e):
+                        raise other_process_died(e) from e
                     dead.append(j)
                     error = e
             if not dead:

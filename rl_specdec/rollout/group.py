@@ -22,13 +22,14 @@ import time
 from typing import Any, Iterable, Iterator, Sequence
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_specdec.config.generation import ClusterConfig, GenerationConfig
 from rl_specdec.config.serving import ServerConfig, check_reasoning_parser
 from rl_specdec.errors import SamplingSelfCheckFailed
 from rl_specdec.rollout import weights
-from rl_specdec.rollout.engines import EngineSlots
+from rl_specdec.rollout.engines import EngineSlots, other_process_died
 from rl_specdec.rollout.interfaces import GenerationOutput, SamplingSettings
 from rl_specdec.rollout.pending import PendingGeneration
 from rl_specdec.rollout.sampling_guard import CalibrationReport, calibration_report
@@ -135,6 +136,14 @@ class VllmGeneration(EngineSlots):
         t0 = time.time()
         try:
             begun = self._get([w.begin_reload.remote(target) for w in self.workers])
+            self._load_stream(buckets, target, begun)
+        finally:
+            ends = self._get([w.end_reload.remote() for w in self.workers])
+        weights.verify_reports(ends, target, None, streamed=True)
+        return time.time() - t0
+
+    def _load_stream(self, buckets, target: str, begun) -> None:
+        try:
             weights.verify_reports(begun, target, None)
             for piece in buckets:
                 ref = piece if isinstance(piece, ray.ObjectRef) else ray.put(piece)
@@ -142,10 +151,10 @@ class VllmGeneration(EngineSlots):
                 reports = self._get([w.load_bucket.remote(ref) for w in self.workers])
                 weights.verify_reports(reports, target, ray.get(sent), streamed=True)
                 del ref, piece  # the policy's stream runs ahead only a few buckets: let this one go
-        finally:
-            ends = self._get([w.end_reload.remote() for w in self.workers])
-        weights.verify_reports(ends, target, None, streamed=True)
-        return time.time() - t0
+        except RayActorError as e:  # the stream's sender died (an engine's death comes through _get, named)
+            if self._is_engine(e):
+                raise
+            raise other_process_died(e) from e
 
     def _checksummer_actor(self):
         if self._checksummer is None:
