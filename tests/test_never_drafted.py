@@ -25,6 +25,8 @@ def _watch(steps, speculating=True, pays=PAYS):
 
 
 def test_a_schedule_the_batch_never_reaches_warns_once_with_the_cause_and_the_fix():
+    split = [{**_step(0, 8, buckets=((1, 1, 2), (2, 3, 2), (4, 1024, 0)))}] * 3
+    assert "only at 1-3 running requests" in _watch(split)[-1]  # adjacent buckets read as one range
     said = _watch([_step(0, 8), _step(0, 4), _step(0, 6), _step(0, 4)])
     assert said[: FIRST_STEPS - 1] == [None] * (FIRST_STEPS - 1) and said[FIRST_STEPS:] == [None]
     message = said[FIRST_STEPS - 1]

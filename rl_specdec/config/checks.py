@@ -53,8 +53,27 @@ def positive(name: str, value, allow_zero: bool = False):
         raise ConfigError(f"{name}={value} must be {bound}")
 
 
+SIGNED = {"seed", "policy.generation.top_k"}  # numbers that mean something below 0 (top_k: -1 is "no top-k")
+
+
+def check_numbers(obj, prefix: str = "") -> None:
+    """Every number of rl_specdec's own settings finite and, but for :data:`SIGNED`, not below 0, whether or not
+    the feature it belongs to is on (a run that turns it on later meets it): the key and the fix, or nothing."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            check_numbers(value, f"{key}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(
+                    f"{key}={value} must be a finite number; fix it in the config or on the command line."
+                )
+            if value < 0 and key not in SIGNED:
+                raise ConfigError(f"{key}={value} must be >= 0; fix it in the config or on the command line.")
+
+
 def validate(cfg: RunConfig) -> None:
-    """Value checks that need no model files."""
+    """Value checks that need no model files (the specific ones first: their messages say more)."""
     g, gen, p = cfg.grpo, cfg.policy.generation, cfg.policy
     positive("grpo.max_steps", g.max_steps)
     positive("grpo.num_prompts_per_step", g.num_prompts_per_step)
@@ -111,6 +130,7 @@ def validate(cfg: RunConfig) -> None:
             "instance has no GPU); "
             "set policy.device=auto or cpu, or join a GPU cluster with cluster.address"
         )
+    check_numbers(cfg)
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -177,6 +197,9 @@ def check_task_kwargs(name: str, task_cls, kwargs: dict) -> None:
         else {}
     )
     check_kinds(kwargs, kinds, "task.kwargs")
+    for k, v in kwargs.items():  # a task's counts and bounds: none means anything below 0
+        if kinds.get(k) in ("int", "float") and isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
+            raise ConfigError(f"task.kwargs.{k}={v} must be >= 0; fix it in the config or on the command line.")
     missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n in valid and n not in kwargs]
     if missing:
         raise ConfigError(f"task {name!r} ({task_cls.__name__}) needs task.kwargs.{missing[0]}; set it.")

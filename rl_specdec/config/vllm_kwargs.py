@@ -38,8 +38,11 @@ RL_SPECDEC_OWNED = {
     "scheduler_cls": "policy.generation.speculation_control (run-time k needs its scheduler class)",
 }
 # Engine arguments that are sizes: >= 1, or one of the values vLLM gives a meaning (-1: fit to memory).
+SPEC_SIZES = {"prompt_lookup_max": (), "prompt_lookup_min": ()}  # a lookup of fewer than one token matches nothing
 ENGINE_SIZES = {
     "max_model_len": (-1,),
+    "tensor_parallel_size": (),
+    "pipeline_parallel_size": (),
     "kv_cache_memory_bytes": (),
     "max_num_seqs": (),
     "max_num_batched_tokens": (),
@@ -194,7 +197,7 @@ def validate_speculative_config(
     ``policy_model``: as in :func:`validate_vllm_kwargs`."""
     spec = {k: v for k, v in spec.items() if v is not None}  # a key set to null is unset (model=null after ngram)
     method = _check_method(spec, key)
-    check_kinds(spec, declarations.speculative_config_kinds(), key)
+    check_kinds(spec, declarations.speculative_config_kinds(), key, SPEC_SIZES)
     k_tokens = spec.get("num_speculative_tokens")
     schedule = spec.get("num_speculative_tokens_per_batch_size")
     if k_tokens is None and not schedule:

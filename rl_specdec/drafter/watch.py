@@ -83,7 +83,7 @@ class NeverDrafted:
         if self.buckets and not self.drafting:
             return ("run-time k chose k=0 at every batch size (no k measured faster)", f"To stop paying for it: {stop}")
         top = max((hi for _, hi in self.drafting), default=None)
-        ranges = ", ".join(f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in sorted(self.drafting))
+        ranges = ", ".join(f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in _merged(sorted(self.drafting)))
         if top is not None and self.fewest is not None and self.fewest > top:
             return (
                 f"the schedule drafts only at {ranges} running requests, and no engine step ran fewer than "
@@ -108,3 +108,14 @@ class NeverDrafted:
             "the engines drafted no token (no run-time k report says why)",
             f"Check the schedule (num_speculative_tokens_per_batch_size); to stop paying for it: {stop}",
         )
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent batch-size buckets as one range (1 and 2-3: 1-3)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if out and lo == out[-1][1] + 1:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
