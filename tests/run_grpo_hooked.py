@@ -12,8 +12,8 @@ and the drafter have written their files, as a disk that fills up mid-save does.
 
 ``RL_SPECDEC_TEST_VLLM_VERSION=<version>``: the version vLLM reports to rl_specdec's gate.
 
-``RL_SPECDEC_TEST_KILL_TRAINER_IN_REFIT=<n>``: the n-th refit's stream (1: the set-up's, 2: step 1's) SIGKILLs the
-policy worker of rank 0 once the engines have loaded its first bucket, as the OOM killer would.
+``RL_SPECDEC_TEST_KILL_TRAINER_IN_REFIT=<n>``: the run's n-th streamed refit SIGKILLs the policy worker of rank 0
+once the engines have loaded its first bucket, as the OOM killer would.
 """
 
 from __future__ import annotations

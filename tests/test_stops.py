@@ -284,16 +284,19 @@ def test_a_driver_killed_outright_leaves_no_process_behind(tmp_path):
 
 @pytest.mark.integration
 def test_a_trainer_killed_while_it_streams_the_refit_is_named_as_the_trainer(tmp_path):
-    """SIGKILL to the policy worker after the engines loaded the first bucket of step 1's refit: the run stops
+    """SIGKILL to the policy worker after the engines loaded the first bucket of a step's refit: the run stops
     (exit 1) naming the trainer, not an engine, with what is on disk and run.max_restarts; no traceback or Ray
     report follows on the console."""
     run = grpo(tmp_path, NO_WANDB, "checkpoint.every=50", env={"RL_SPECDEC_TEST_KILL_TRAINER_IN_REFIT": "2"})
     assert run.finish() == 1, run.output
     assert run.leftovers() == []
     (err,) = [ln for ln in run.lines if ln.startswith("error: ")]
-    assert "the trainer (a policy worker)" in err and "the engines are alive" in err, err
+    # Ray reports the death where it meets it: in the engines' wait on the stream (ProcessDied) or in the policy
+    # group's own call (PolicyWorkerDied); either names the trainer, neither an engine
+    assert "the trainer" in err and "policy worker" in err, err
     assert "GenerationEngineDied" not in run.output and "vLLM engine actor died" not in run.output, run.output
-    (stopped,) = [ln for ln in run.lines if "GRPO stopped at step 1: ProcessDied" in ln]
+    (stopped,) = [ln for ln in run.lines if "GRPO stopped at step " in ln]
+    assert "ProcessDied" in stopped or "PolicyWorkerDied" in stopped, stopped
     assert "there is no checkpoint yet (checkpoint.every=50" in stopped and "run.max_restarts=1" in stopped
     after = run.output[run.output.index("GRPO stopped") :]
     for raw in ("Traceback", "Unhandled error", "Exception ignored", "ActorDiedError"):

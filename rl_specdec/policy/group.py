@@ -176,7 +176,8 @@ class PolicyGroup:
         if dead:
             logger.debug("Ray's report of the dead policy worker: %s", errors[dead[0]])
             raise PolicyWorkerDied(
-                f"policy worker {', '.join(self._where(r) for r in dead)} died: {death_cause(errors[dead[0]])}. "
+                f"the trainer's policy worker {', '.join(self._where(r) for r in dead)} died: "
+                f"{death_cause(errors[dead[0]])}. "
                 f"The policy group ({len(ranks)} workers) is stopped."
             ) from errors[dead[0]]
         first = min(errors)
