@@ -63,13 +63,8 @@ def check_numbers(obj, prefix: str = "") -> None:
         value, key = getattr(obj, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             check_numbers(value, f"{key}.")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(
-                    f"{key}={value} must be a finite number; fix it in the config or on the command line."
-                )
-            if value < 0 and key not in SIGNED:
-                raise ConfigError(f"{key}={value} must be >= 0; fix it in the config or on the command line.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key not in SIGNED:
+            positive(key, value, allow_zero=True)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -198,8 +193,8 @@ def check_task_kwargs(name: str, task_cls, kwargs: dict) -> None:
     )
     check_kinds(kwargs, kinds, "task.kwargs")
     for k, v in kwargs.items():  # a task's counts and bounds: none means anything below 0
-        if kinds.get(k) in ("int", "float") and isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
-            raise ConfigError(f"task.kwargs.{k}={v} must be >= 0; fix it in the config or on the command line.")
+        if kinds.get(k) in ("int", "float") and isinstance(v, (int, float)) and not isinstance(v, bool):
+            positive(f"task.kwargs.{k}", v, allow_zero=True)
     missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n in valid and n not in kwargs]
     if missing:
         raise ConfigError(f"task {name!r} ({task_cls.__name__}) needs task.kwargs.{missing[0]}; set it.")
