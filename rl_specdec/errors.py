@@ -7,6 +7,8 @@ and the fix. Importing this module imports nothing else, so any layer
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key and the fix."""
@@ -22,6 +24,39 @@ class GenerationEngineDied(RuntimeError):
     def __init__(self, message: str, engines: list[int] | tuple[int, ...] = ()):
         super().__init__(message)
         self.engines = list(engines)
+
+
+class EnginesLost(GenerationEngineDied):
+    """Engines died during a call whose other shards are kept: ``engines`` (their indices, which are also their
+    shards') and ``redo``, which generates those shards again and returns the call's whole result once the
+    engines are replaced. The engine group raises it; what to do about it is the caller's to decide."""
+
+    def __init__(self, message: str, engines: list[int], redo: Callable[[], Any]):
+        super().__init__(message, engines)
+        self.redo = redo
+
+    def then(self, finish: Callable[[Any], Any]) -> EnginesLost:
+        """The same loss for a caller that makes its own result from the call's: its ``redo`` returns
+        ``finish(result)``, and a loss while it redoes carries ``finish`` too."""
+
+        def redo() -> Any:
+            try:
+                return finish(self.redo())
+            except EnginesLost as again:
+                raise again.then(finish) from None
+
+        lost = EnginesLost(str(self), self.engines, redo)
+        lost.__cause__ = self.__cause__
+        return lost
+
+
+class SpeculationTurnedOff(RuntimeError):
+    """The acceptance canary tripped with ``acceptance_canary.action=disable``: the engines must run without
+    speculation from now on. ``metrics`` are the step's canary metrics, which the step still logs."""
+
+    def __init__(self, message: str, metrics: dict[str, float]):
+        super().__init__(message)
+        self.metrics = metrics
 
 
 class PolicyWorkerDied(RuntimeError):
@@ -87,6 +122,7 @@ __all__ = [
     "CheckpointDamaged",
     "CheckpointWriteFailed",
     "ConfigError",
+    "EnginesLost",
     "GenerationEngineDied",
     "PolicyWorkerDied",
     "PrefixSpliceError",
@@ -95,5 +131,6 @@ __all__ = [
     "SamplingSelfCheckFailed",
     "SleepNotSupported",
     "SpecDecodeCanaryTripped",
+    "SpeculationTurnedOff",
     "WeightIntegrityError",
 ]

@@ -244,7 +244,7 @@ def test_wandb_offline_run_written(uninterrupted):
 def test_canary_disable_restarts_the_engines_without_speculation(tmp_path, monkeypatch):
     """acceptance_canary.action=disable: a drafter wiped by a bad refit (random weights, injected after
     step 4) trips the canary at step 5; the engines restart without a drafter, get the trainer's
-    weights in that step's refit, and step 6 samples from them on-policy, without speculation."""
+    weights at once (and again in that step's refit), and step 6 samples from them on-policy, without speculation."""
     import torch
     from transformers import AutoModelForCausalLM
 

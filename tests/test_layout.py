@@ -249,3 +249,41 @@ def test_no_benchmark_imports_a_private_name_of_rl_specdec():
 def test_the_private_import_check_catches_a_name_and_a_module():
     source = "from rl_specdec.toy.heads import _chat_batches\nimport rl_specdec.policy._inner\nfrom rl_specdec import x"
     assert private_reaches("b.py", source) == ["b.py:1 _chat_batches", "b.py:2 rl_specdec.policy._inner"]
+
+
+def callbacks(path: str, source: str) -> list[str]:
+    """``path:line name`` for each attribute set on ``self`` that holds a callback: annotated ``Callable`` or named
+    ``on_*``. The engine group only raises; the run decides (``rl_specdec/grpo/recovery.py``)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        else:
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else []
+        for t in targets:
+            if not (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"):
+                continue
+            typed = isinstance(node, ast.AnnAssign) and "Callable" in ast.unparse(node.annotation)
+            if typed or t.attr.startswith("on_"):
+                out.append(f"{path}:{node.lineno} {t.attr}")
+    return out
+
+
+def test_the_engine_group_holds_no_callback_into_the_run():
+    rollout = sorted((ROOT / "rl_specdec" / "rollout").rglob("*.py"))
+    assert len(rollout) > 10, "the rollout room moved: point this test at it"
+    found = [hit for p in rollout for hit in callbacks(str(p.relative_to(ROOT)), p.read_text())]
+    fix = "raise an error from rl_specdec.errors instead, and decide in grpo/recovery.py: "
+    assert not found, fix + "; ".join(found)
+    sources = {
+        module_name(p, ROOT): (p.read_text(), p.name == "__init__.py") for p in (ROOT / "rl_specdec").rglob("*.py")
+    }
+    assert room_edges(import_graph(sources), "rl_specdec.rollout", "rl_specdec.grpo") == []
+
+
+def test_the_callback_check_catches_a_typed_and_a_named_one():
+    source = (
+        "class G:\n    def __init__(self):\n        self.on_engine_death = None\n"
+        "        self.hook: Callable[[int], None] | None = None\n        self.seed: int = 0\n        self.k = 1\n"
+    )
+    assert callbacks("g.py", source) == ["g.py:3 on_engine_death", "g.py:4 hook"]

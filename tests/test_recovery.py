@@ -7,11 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from rl_specdec.grpo.recovery import EngineRecovery
-from rl_specdec.grpo.step import Updated
+from rl_specdec.grpo.recovery import CANARY, EngineRecovery, Updated, after_update
 
 
-def _run(updated=None, pipeline=None, finished=2, **restart):
+def _run(pipeline=None, finished=2, **restart):
     cfg = SimpleNamespace(**{"enabled": True, "max_restarts": 3, "max_per_hour": 3, **restart})
     drafter = SimpleNamespace(finished=[], after_refit=lambda gen, timer: drafter.finished.append(gen) or {})
     latest = SimpleNamespace(latest=lambda: ("ckpt/step_000002", {"step": 2}))
@@ -19,9 +18,7 @@ def _run(updated=None, pipeline=None, finished=2, **restart):
         cfg=SimpleNamespace(policy=SimpleNamespace(generation=SimpleNamespace(engine_restart=cfg))),
         checkpoints=latest,
         pipeline=pipeline,
-        updated=updated,
         finished=finished,
-        step_in_progress=True,
         last_row={},
         drafter=drafter,
         timer=None,
@@ -54,9 +51,9 @@ def test_a_refused_replacement_names_its_setting(restart, pipeline, words):
 
 
 def test_after_the_update_the_stop_saves_the_updated_step_marked_incomplete():
-    run = _run(updated=Updated(3, lambda: {"train/loss": 0.5}))
+    run = _run()
     recovery, saved = _recovery(run)
-    where = recovery._save_for_stop()
+    where = recovery._save_for_stop(after_update("refit", Updated(3, lambda: {"train/loss": 0.5})))
     assert saved == [(3, {"train/loss": 0.5, "faults/incomplete_step": 1.0}, False)]
     assert run.drafter.finished == [None]  # the drafter's step finished, not refit into the dead engines
     assert "step_000003" in where and "resume=true" in where
@@ -66,9 +63,9 @@ def test_after_the_update_the_stop_saves_the_updated_step_marked_incomplete():
     ("updated", "pipeline"), [(None, None), (Updated(3, dict), object())], ids=["generating", "pipelined"]
 )
 def test_before_the_update_or_pipelined_the_stop_saves_nothing_new(updated, pipeline):
-    run = _run(updated=updated, pipeline=pipeline)
+    run = _run(pipeline=pipeline)
     recovery, saved = _recovery(run)
-    where = recovery._save_for_stop()
+    where = recovery._save_for_stop(CANARY if updated is None else after_update("refit", updated))
     assert all(step == 2 for step, _, _ in saved) and "step_000002" in where
 
 

@@ -246,16 +246,26 @@ def test_adaptive_controller_decides_and_stays_lossless(
 
 def test_the_canary_disable_path_makes_the_next_call_draft_nothing(eng_adaptive, task_prompts):
     from pathlib import Path
+    from types import SimpleNamespace
 
     from rl_specdec.config import load_config
     from rl_specdec.drafter.upkeep import DrafterUpkeep
+    from rl_specdec.grpo.recovery import CANARY, EngineRecovery
+    from rl_specdec.grpo.saves import last_checkpoint
 
     root = Path(__file__).resolve().parents[1]
     overrides = [
         "policy.generation.acceptance_canary.action=disable",
         "policy.generation.speculation_control.mode=adaptive",
     ]
-    upkeep = DrafterUpkeep(load_config(root / "configs/grpo_spec.yaml", overrides))
+    cfg = load_config(root / "configs/grpo_spec.yaml", overrides)
+    upkeep = DrafterUpkeep(cfg)
+    # the canary raises; the run's fault handler turns speculation off (k=0 here: no restart, so no policy)
+    faults = EngineRecovery(SimpleNamespace(cfg=cfg, generation=eng_adaptive), last_checkpoint)
+
+    def check(metrics):
+        return faults.guarded(CANARY, lambda: upkeep.check(metrics))
+
     sampling = SamplingSettings(max_tokens=MAX_TOKENS, temperature=1.0, seed=6)
     # The controller drafts only where a measured k>0 pays, so a given call may draft nothing: the engine's
     # lifetime counters (its warm-up and the calls above) show that it drafts, at a healthy acceptance.
@@ -263,10 +273,10 @@ def test_the_canary_disable_path_makes_the_next_call_draft_nothing(eng_adaptive,
     assert lifetime.get(DRAFT_TOKENS, 0.0) > 0, lifetime
     healthy = compute_spec_decode_metrics(None, lifetime)
     for _ in range(3):
-        assert upkeep.check(healthy, eng_adaptive) == {"spec_decode/canary": 0.0}
+        assert check(healthy) == {"spec_decode/canary": 0.0}
     drafted = healthy["spec_decode/num_draft_tokens"]  # the canary judges accepted / drafted tokens
     collapsed = {**healthy, "spec_decode/acceptance_rate": 0.01, "spec_decode/num_accepted_tokens": 0.01 * drafted}
-    assert upkeep.check(collapsed, eng_adaptive) == {"spec_decode/canary": 1.0}
+    assert check(collapsed) == {"spec_decode/canary": 1.0}
     out = eng_adaptive.generate(task_prompts * 4, sampling)
     assert out.spec_counters.get(DRAFT_TOKENS, 0.0) == 0.0, out.spec_counters
     (report,) = out.spec_control

@@ -57,7 +57,14 @@ DEFAULT_VARIANTS = "none: configs/smollm2_base.yaml; shipped: configs/smollm2_sp
 # the trained run's figures each step's drafter work is taken from, kept in paired.json
 PARTS = ("timing/train", "train/forward_backward_s", "drafter/optimizer_s", "timing/drafter_train")
 PARTS += ("timing/drafter_wait", "timing/drafter_refit")
-TRAINED = ["grpo.val_every=0", "checkpoint.enabled=false", "logger.wandb.enabled=false", "grpo.max_staleness=0"]
+# an engine that dies stops the measurement: a replacement's start and refit would be charged to one variant
+TRAINED = [
+    "grpo.val_every=0",
+    "checkpoint.enabled=false",
+    "logger.wandb.enabled=false",
+    "grpo.max_staleness=0",
+    "policy.generation.engine_restart.enabled=false",
+]
 
 
 class PairedGeneration:

@@ -61,8 +61,8 @@ class SpeculationControlConfig:
     """k chosen while the engine runs: see rl_specdec.config.engine_args (draft_model, eagle3 and ngram)."""
 
     # off (vLLM's own k or schedule) | fixed (k settable at run time) | adaptive (the controller) |
-    # auto (adaptive where run-time k can run: draft_model or eagle3, a UniProc executor, no async scheduling;
-    # else off)
+    # auto (where run-time k can run with a drafter: draft_model or eagle3, a UniProc executor, no async
+    # scheduling: fixed when draft_below is set, else adaptive; elsewhere off; config/speculation.py)
     mode: str = "off"
     k_max: Optional[int] = None  # the most k may be; default: speculative_config.num_speculative_tokens
     # k=0 steps skip the drafter (caught up before it next drafts: a draft model from the token ids, a head from

@@ -23,7 +23,7 @@ from rl_specdec.config import RunConfig
 from rl_specdec.drafter.canary import AcceptanceCanary
 from rl_specdec.drafter.online import DraftModelDrafter, OnlineDrafter, PolicyHeadDrafter
 from rl_specdec.drafter.watch import NeverDrafted
-from rl_specdec.errors import SpecDecodeCanaryTripped
+from rl_specdec.errors import SpecDecodeCanaryTripped, SpeculationTurnedOff
 from rl_specdec.metrics.logger import Timer
 from rl_specdec.rollout import GenerationOutput, RolloutEngine
 
@@ -71,9 +71,11 @@ class DrafterUpkeep:
         update, not from the engines' log-probs, so its rollouts ask for none and pay nothing for them)."""
         return self.drafter.top_k if self.trains_at(step) else 0
 
-    def check(self, spec_metrics: dict[str, float], generation: RolloutEngine) -> dict[str, float]:
+    def check(self, spec_metrics: dict[str, float]) -> dict[str, float]:
         """The acceptance canary on this step's rollouts (every step follows a refit); before it, whether a
-        drafter the run pays for drafted at all in its first steps."""
+        drafter the run pays for drafted at all in its first steps. A trip with ``action=disable`` raises
+        :class:`~rl_specdec.errors.SpeculationTurnedOff`: turning the engines' speculation off is the run's
+        fault handler's to do (:mod:`rl_specdec.grpo.recovery`)."""
         never = self.watch.observe(spec_metrics, self.speculating)
         if never:
             logger.warning("%s", never)
@@ -89,13 +91,12 @@ class DrafterUpkeep:
         if self.action == "fail":
             raise SpecDecodeCanaryTripped(message + " Stopping (acceptance_canary.action=fail).")
         if self.action == "disable":
-            # fresh engines without a drafter; this step's refit (phase 6) gives them the trainer's weights
-            generation.disable_speculation()
             self.speculating = False
-            message += (
-                " Speculation is off for the rest of the run (acceptance_canary.action=disable): k=0 through the"
-                " k=0 fast path (speculation_control on), or the engines restarted without a drafter."
-                " A resumed run starts with speculation on again."
+            raise SpeculationTurnedOff(
+                message + " Speculation is off for the rest of the run (acceptance_canary.action=disable): k=0"
+                " through the k=0 fast path (speculation_control on), or the engines restarted without a drafter."
+                " A resumed run starts with speculation on again.",
+                {"spec_decode/canary": 1.0},
             )
         logger.warning("%s", message)
         return {"spec_decode/canary": 1.0}

@@ -21,36 +21,18 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from rl_specdec.config import RunConfig
 from rl_specdec.errors import CheckpointWriteFailed
 from rl_specdec.grpo.pipeline import PipelinedSteps, sequential_resume_note
-from rl_specdec.grpo.recovery import EngineRecovery
 from rl_specdec.grpo.restarts import train_restarting
 from rl_specdec.grpo.run import GRPORun, setup
+from rl_specdec.grpo.saves import last_checkpoint, save_checkpoint
 from rl_specdec.grpo.step import due, evaluate, grpo_step, sampling_check
 from rl_specdec.grpo.stop import StopSignals
 
 logger = logging.getLogger(__name__)
-
-
-def save_checkpoint(run: GRPORun, step: int, row: dict[str, Any], complete: bool = True) -> None:
-    """Atomic checkpoint after ``step`` steps; it carries the step's metric row, so a crash before logging
-    loses nothing, and with ``grpo.max_staleness=1`` the next step's rollouts (:mod:`rl_specdec.grpo.pipeline`).
-    ``complete`` False: a fault stopped the step after its update, before its refit or validation finished."""
-    state = {"step": step, "data_position": step, "seed": run.cfg.seed, "metrics": row, "complete": complete}
-    if run.pipeline is not None:
-        state["pipeline"] = run.pipeline.state(step)
-
-    def save(path: str) -> None:
-        run.policy.save_checkpoint(str(Path(path) / "policy"))
-        run.drafter.save(Path(path))
-        if run.pipeline is not None:
-            run.pipeline.save(Path(path), step)
-
-    run.checkpoints.save(step, save, state)
 
 
 def baseline(run: GRPORun) -> dict[str, Any]:
@@ -94,7 +76,6 @@ def _attempt(cfg: RunConfig, show: bool, resume_command: str | None, restarts: i
         try:
             run.pipeline = PipelinedSteps(run) if cfg.grpo.max_staleness else None
             run.finished = run.start_step
-            run.recovery = run.generation.on_engine_death = EngineRecovery(run, last_checkpoint)
             if run.pipeline is None:
                 sequential_resume_note(run)
             last, finished = run_steps(run, show)
@@ -159,12 +140,11 @@ def step_and_log(run: GRPORun, step: int) -> dict[str, Any]:
     row["timing/step"] = time.perf_counter() - t0
     if run.pipeline is not None:
         row.update(run.pipeline.overlap(t0, t0 + row["timing/step"]))
-    if run.recovery is not None:  # train() sets it; a loop driven by hand may not
-        row.update(run.recovery.metrics())
+    row.update(run.faults.metrics())
     if run.cfg.run.max_restarts:
         row["faults/run_restarts"] = float(run.restarts)
     run.metrics.log(row, step=step + 1)
-    run.finished, run.last_row, run.step_in_progress, run.updated = step + 1, row, False, None
+    run.finished, run.last_row = step + 1, row
     return row
 
 
@@ -178,21 +158,6 @@ def checkpoint_step(run: GRPORun, step: int, row: dict[str, Any]) -> None:
             raise
         logger.warning("%s. Training goes on without it (checkpoint.on_error=warn)", e)
     row.update(run.timer.pop())
-
-
-def last_checkpoint(run: GRPORun, finished: int, row: dict[str, Any], complete: bool = True) -> Path | None:
-    """After a stop: the checkpoint of the last finished step, written now unless it is on disk (a step dropped
-    while generating leaves the one before it, which may not have been due); None when there is none.
-    ``complete`` False: ``finished`` is a step a fault stopped after its update (:func:`save_checkpoint`)."""
-    if run.checkpoints is None or finished == 0:
-        return None
-    if not run.checkpoints.has(finished):
-        try:
-            save_checkpoint(run, finished, row, complete)
-        except CheckpointWriteFailed as e:
-            logger.error("%s", e)
-            return None
-    return run.checkpoints.path(finished)
 
 
 def _log_failure(run: GRPORun, step: int, e: BaseException) -> None:

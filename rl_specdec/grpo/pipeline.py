@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_specdec.config import RunConfig
+from rl_specdec.grpo.recovery import GENERATION
 from rl_specdec.grpo.rollouts import (
     ROLLOUTS_FILE,
     Rollouts,
@@ -87,10 +88,7 @@ class PipelinedSteps:
         run, timer = self.run, self.run.timer
         self.spans = {"generation": [], "train": []}
         group_samples, prompt_ids, ro = self._take(step)
-        restarts = run.drafter.speculating and not run.cfg.policy.generation.runtime_k_on()
-        spec = after_rollouts(run, step, prompt_ids, ro.out)
-        if restarts and not run.drafter.speculating:  # the canary restarted the engines: give them W_t back
-            refit(run)
+        spec = after_rollouts(run, step, prompt_ids, ro.out)  # a canary's restart refits W_t (grpo/recovery.py)
         launched = self._launch(step + 1) if step + 1 < run.cfg.grpo.max_steps else None
         assert max(ro.staleness()) <= self.bound, "rollouts older than grpo.max_staleness reached the update"
         learned = learn(run, group_samples, prompt_ids, ro.out)
@@ -99,10 +97,10 @@ class PipelinedSteps:
             self.ready = self._finish(launched)
         refits = launched is None or self.ready is not None
         if refits:  # between generations: W_{t+1}, then the drafter
-            refit(run)
+            refit(run, None)  # a fault stops the run here, saving the newest checkpoint (grpo/recovery.py)
             self.version = step + 1
         spec.update(run.drafter.after_refit(run.generation if refits else None, timer))
-        spec.update(validate_if_due(run, step) if refits else {})
+        spec.update(validate_if_due(run, step, None) if refits else {})
         times = timer.pop()
         times["timing/generation"] = ro.seconds  # the rollouts trained on; the waits are timing/generation_wait
         return {**step_metrics(ro.out, learned, spec, times), **staleness_metrics(ro, learned.keep)}
@@ -125,7 +123,9 @@ class PipelinedSteps:
         if ro is None or why:
             with run.timer("generation_wait"), run.stop.abandonable():
                 pending = run.generation.submit(prompt_ids, sampling)
-                ro = self._stamped(Launched(step, prompt_ids, pending, self.version), pending.result())
+                ro = self._stamped(
+                    Launched(step, prompt_ids, pending, self.version), run.faults.guarded(GENERATION, pending.result)
+                )
         return group_samples, prompt_ids, ro
 
     def _launch(self, step: int) -> Launched:
@@ -135,7 +135,7 @@ class PipelinedSteps:
 
     def _finish(self, launched: Launched) -> Rollouts | None:
         with self.run.timer("generation_wait"):
-            out = wait_or_drop(launched.pending, self.run.stop)
+            out = self.run.faults.guarded(GENERATION, lambda: wait_or_drop(launched.pending, self.run.stop))
         if out is None:
             self.dropped = True
             self.spans["generation"].append((launched.pending.launched_at, time.perf_counter()))

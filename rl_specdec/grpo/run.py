@@ -23,6 +23,8 @@ from rl_specdec.drafter.upkeep import DrafterUpkeep
 from rl_specdec.errors import GenerationEngineDied, PolicyWorkerDied
 from rl_specdec.grpo.checkpoint import CheckpointManager
 from rl_specdec.grpo.loss import ClippedPGLoss
+from rl_specdec.grpo.recovery import EngineRecovery
+from rl_specdec.grpo.saves import last_checkpoint
 from rl_specdec.grpo.stop import StopSignals
 from rl_specdec.metrics.logger import MetricsLogger, Timer
 from rl_specdec.policy import PolicyInterface
@@ -50,13 +52,13 @@ class GRPORun:
     start_step: int = 0
     stop: StopSignals = field(default_factory=StopSignals)  # SIGTERM/SIGINT: what the loop and the step check
     pipeline: Any = None  # with grpo.max_staleness=1: the PipelinedSteps (grpo/pipeline.py) that run the steps
-    recovery: Any = None  # the EngineRecovery (grpo/recovery.py) the engine group calls when an engine dies
+    faults: EngineRecovery = field(init=False)  # what every engine call of a step goes through (grpo/recovery.py)
     finished: int = 0  # steps finished and logged
     last_row: dict[str, Any] = field(default_factory=dict)  # the last finished step's metrics
-    step_in_progress: bool = False  # the trainer's state has moved past the last finished step's
-    # once the step in progress has updated the policy: what a stop by a fault saves of it (grpo/recovery.py)
-    updated: Any = None
     restarts: int = 0  # times the run restarted itself before this attempt (run.max_restarts)
+
+    def __post_init__(self) -> None:
+        self.faults = EngineRecovery(self, last_checkpoint)
 
     def shutdown(self) -> None:
         """Stop the engines, the policy workers and the drafter, in that order, and close the logger."""

@@ -34,13 +34,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from rl_specdec.errors import GenerationEngineDied
 from rl_specdec.grpo.advantages import group_advantages
 from rl_specdec.grpo.batch import Trajectory, build_train_batch, select_for_training
+from rl_specdec.grpo.recovery import BASELINE, CANARY, GENERATION, Phase, Updated, after_update
 from rl_specdec.grpo.run import GRPORun
 from rl_specdec.metrics import compute_spec_decode_metrics
 from rl_specdec.rollout import GenerationOutput, SamplingSettings
@@ -85,11 +84,12 @@ def score(run: GRPORun, samples: list[Sample], out: GenerationOutput) -> tuple[t
     return torch.tensor(rewards), torch.tensor(correct)
 
 
-def evaluate(run: GRPORun) -> dict[str, float]:
+def evaluate(run: GRPORun, phase: Phase = BASELINE) -> dict[str, float]:
     """Greedy decoding on held-out problems: ``val/reward`` and ``val/accuracy``."""
     samples = run.task.validation_batch(seed=VAL_SEED, n=run.cfg.grpo.val_num_prompts)
     prompt_ids = encode_prompts(run.task, run.tokenizer, samples)
-    out = run.generation.generate(prompt_ids, SamplingSettings.from_config(run.cfg.policy.generation, temperature=0.0))
+    greedy = SamplingSettings.from_config(run.cfg.policy.generation, temperature=0.0)
+    out = run.faults.guarded(phase, lambda: run.generation.generate(prompt_ids, greedy))
     rewards, correct = score(run, samples, out)
     return {"val/reward": rewards.mean().item(), "val/accuracy": correct.mean().item()}
 
@@ -101,8 +101,9 @@ def sampling_check(run: GRPORun) -> dict[str, float]:
         return {}
     samples = run.task.validation_batch(seed=SAMPLING_CHECK_SEED, n=n)
     prompt_ids = encode_prompts(run.task, run.tokenizer, samples) * 4
-    report = run.generation.check_sampling(
-        prompt_ids, max_tokens=run.cfg.policy.generation.max_new_tokens, seed=run.cfg.seed
+    max_tokens, seed = run.cfg.policy.generation.max_new_tokens, run.cfg.seed
+    report = run.faults.guarded(
+        BASELINE, lambda: run.generation.check_sampling(prompt_ids, max_tokens=max_tokens, seed=seed)
     )
     logger.info("sampling self-check passed: %s", report.summary())
     return {
@@ -125,16 +126,16 @@ def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
 
     # 2. rollouts; the call's spec-decode counters come with them. A stop asked for meanwhile drops the step
     with timer("generation"), run.stop.abandonable():
-        out = run.generation.generate(prompt_ids, sampling)
-    run.step_in_progress = True  # from here on the trainer (and drafter) move past the last finished step
+        out = run.faults.guarded(GENERATION, lambda: run.generation.generate(prompt_ids, sampling))
     spec = after_rollouts(run, step, prompt_ids, out)  # may start the drafter's step beside the policy's update
 
     learned = learn(run, group_samples, prompt_ids, out)  # 3-5. rewards, advantages, policy update
-    run.updated = Updated(step + 1, lambda: step_metrics(out, learned, spec, dict(timer.times)))
+    # from here a fault saves this update, marked incomplete (grpo/recovery.py)
+    updated = Updated(step + 1, lambda: step_metrics(out, learned, spec, dict(timer.times)))
 
-    refit(run)  # 6. the engines' target model gets the new weights
+    refit(run, updated)  # 6. the engines' target model gets the new weights
     spec.update(run.drafter.after_refit(run.generation, timer))  # and the drafter, when it trained
-    spec.update(validate_if_due(run, step))  # 7. validation
+    spec.update(validate_if_due(run, step, updated))  # 7. validation
     return step_metrics(out, learned, spec, timer.pop())
 
 
@@ -155,18 +156,10 @@ def after_rollouts(run: GRPORun, step: int, prompt_ids: list[list[int]], out: Ge
     the drafter takes its batch from them (and starts training, with ``overlap``)."""
     spec = compute_spec_decode_metrics(None, out.spec_counters)
     spec.update(control_metrics(out.spec_control))  # run-time k: k per bucket, tokens/s, the fewest running
-    spec.update(run.drafter.check(spec, run.generation))  # the acceptance canary (and whether it drafted at all)
+    # the acceptance canary (and whether it drafted at all); a trip turns speculation off (grpo/recovery.py)
+    spec.update(run.faults.guarded(CANARY, lambda: run.drafter.check(spec)))
     run.drafter.after_generation(step, prompt_ids, out, run.tokenizer.pad_token_id)  # may overlap the policy's update
     return spec
-
-
-@dataclass
-class Updated:
-    """The step whose policy update the trainer holds before the step is finished, and its row so far: what a
-    fault that stops the run in the refit or validation phase checkpoints (:mod:`rl_specdec.grpo.recovery`)."""
-
-    step: int  # steps done, counting this one
-    row: Any  # () -> the step's metrics so far
 
 
 @dataclass
@@ -196,24 +189,23 @@ def learn(run: GRPORun, group_samples: list[Sample], prompt_ids: list[list[int]]
     return Learned(rewards, correct, advantages, keep, train_metrics)
 
 
-def refit(run: GRPORun) -> None:
-    """Phase 6: the trainer's weights into every engine's target model, streamed in buckets (verified)."""
+def refit(run: GRPORun, updated: Updated | None) -> None:
+    """Phase 6: the trainer's weights into every engine's target model, streamed in buckets (verified).
+    ``updated``: the update being refit (None with one step off-policy)."""
     with run.timer("refit"):
-        try:
-            run.generation.update_weights_buckets(run.policy.state_dict_buckets())
-        except GenerationEngineDied as e:  # replaced engines are refit with these weights, every other one too
-            if run.recovery is None:
-                raise
-            run.recovery.after_refit_failed(e)
+        run.faults.guarded(
+            after_update("refit", updated),
+            lambda: run.generation.update_weights_buckets(run.policy.state_dict_buckets()),
+        )
 
 
-def validate_if_due(run: GRPORun, step: int) -> dict[str, float]:
+def validate_if_due(run: GRPORun, step: int, updated: Updated | None) -> dict[str, float]:
     """Phase 7: ``val/*`` every ``grpo.val_every`` steps and at the last one ({} otherwise)."""
     g = run.cfg.grpo
     if not due(step + 1, g.val_every, g.max_steps):
         return {}
     with run.timer("validation"):
-        return evaluate(run)
+        return evaluate(run, after_update("validation", updated))
 
 
 def step_metrics(out: GenerationOutput, learned: Learned, extra, times) -> dict[str, float]:

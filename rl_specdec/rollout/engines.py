@@ -3,9 +3,10 @@
 :class:`EngineSlots` is the base of :class:`~rl_specdec.rollout.group.VllmGeneration`: it owns the actors,
 their bundles and CPU cores, and the way a call's results come back. Slot ``i`` is bundle ``i`` of the
 group's placement group, so an engine started in a dead one's place runs where it ran, on the same cores.
-A call that loses an engine mid-generation gets that engine's shard generated again by the replacement,
-while the other engines' shards are kept (:meth:`EngineSlots._gather`); what replaces and refits an engine
-is the run's to decide (``on_engine_death``), since only the trainer holds the weights it must load.
+A call that loses an engine mid-generation raises :class:`~rl_specdec.errors.EnginesLost`, which keeps the
+other engines' shards and can generate the dead one's again (:meth:`EngineSlots._gather`). Whether to replace
+and refit the engine is the run's to decide (:mod:`rl_specdec.grpo.recovery`), since only the trainer holds the
+weights it must load; the group never calls back into the run.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_specdec.config.generation import ClusterConfig, GenerationConfig
-from rl_specdec.errors import GenerationEngineDied, ProcessDied
+from rl_specdec.errors import EnginesLost, GenerationEngineDied, ProcessDied
 from rl_specdec.rollout import engine_settings
 from rl_specdec.rollout.placement import (
     assign_cpu_binds,
@@ -77,9 +78,6 @@ class EngineSlots:
         self.pg = self._checksummer = None
         self.start_s = 0.0
         self.k_max: int | None = None  # set_speculation's last value: a replaced engine gets it too
-        # called with (group, dead engine indices, the error) when an engine dies; it replaces them and refits
-        # them, or raises. None: a death raises GenerationEngineDied (rl_specdec.grpo.recovery sets it for GRPO).
-        self.on_engine_death: Callable[[EngineSlots, list[int], BaseException], None] | None = None
 
     def _start(self) -> None:
         """Reserve the bundles, start one actor and engine per bundle; on failure release everything and raise."""
@@ -196,29 +194,36 @@ class EngineSlots:
             ) from e
 
     def _gather(self, refs: list[ray.ObjectRef], resubmit: Callable[[int], ray.ObjectRef]) -> list[Any]:
-        """Each shard's result, in order. A shard whose engine died is generated again by its replacement
-        (``on_engine_death`` replaces and refits it); the other engines' shards are kept."""
-        refs, out = list(refs), [None] * len(refs)
-        todo = list(range(len(refs)))
-        while todo:
-            dead, error = [], None
-            for j in todo:
-                try:
-                    out[j] = ray.get(refs[j])
-                except RayActorError as e:
-                    if not self._is_engine(e):
-                        raise other_process_died(e) from e
-                    dead.append(j)
-                    error = e
-            if not dead:
-                break
-            if self.on_engine_death is None:
-                self._get([refs[j] for j in dead])  # raises GenerationEngineDied with the reason
-            self.on_engine_death(self, dead, error)
+        """Each shard's result, in order (shard i ran on engine i). Engines that died raise
+        :class:`~rl_specdec.errors.EnginesLost` with the others' shards kept: its ``redo`` asks ``resubmit`` for
+        the dead shards again (on their replacements) and returns every shard's result."""
+        return self._collect(list(range(len(refs))), list(refs), [None] * len(refs), resubmit)
+
+    def _collect(self, todo: list[int], refs: list, out: list[Any], resubmit: Callable[[int], ray.ObjectRef]):
+        dead, error = [], None
+        for j in todo:
+            try:
+                out[j] = ray.get(refs[j])
+            except RayActorError as e:
+                if not self._is_engine(e):
+                    raise other_process_died(e) from e
+                dead.append(j)
+                error = e
+        if not dead:
+            return out
+
+        def redo() -> list[Any]:
             for j in dead:
                 refs[j] = resubmit(j)
-            todo = dead
-        return out
+            return self._collect(dead, refs, out, resubmit)
+
+        raise EnginesLost(
+            f"vLLM engine(s) {dead} died ({type(error).__name__}) with their share of the call in flight: {error}. "
+            "Check the actor's log above (out of memory? killed?) and restart the run; resume=true continues "
+            "from the last checkpoint.",
+            dead,
+            redo,
+        ) from error
 
     @property
     def num_engines(self) -> int:
@@ -240,9 +245,7 @@ class EngineSlots:
         error is raised; :meth:`shutdown` is still safe to call.
         """
         self.shutdown()
-        on_death = self.on_engine_death
         self._hold(self.model, config, self.cluster, self.seed, self._start_kwargs)
-        self.on_engine_death = on_death
         self._start()
 
     def shutdown(self, wait_s: float = 30.0) -> None:

@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_specdec.config.generation import ClusterConfig, GenerationConfig
 from rl_specdec.config.serving import ServerConfig, check_reasoning_parser
-from rl_specdec.errors import SamplingSelfCheckFailed
+from rl_specdec.errors import EnginesLost, SamplingSelfCheckFailed
 from rl_specdec.rollout import weights
 from rl_specdec.rollout.engines import EngineSlots, other_process_died
 from rl_specdec.rollout.interfaces import GenerationOutput, SamplingSettings
@@ -94,9 +94,19 @@ class VllmGeneration(EngineSlots):
                 f"engines {broken}: vLLM's rejection-sampler expand kernel returns wrong values on this platform, "
                 "so speculative sampling at temperature > 0 would not be lossless."
             )
-        out = self.generate(
-            prompt_token_ids, SamplingSettings(max_tokens=max_tokens, temperature=1.0, seed=seed, logprobs=top_k)
-        )
+        sampling = SamplingSettings(max_tokens=max_tokens, temperature=1.0, seed=seed, logprobs=top_k)
+
+        def judged(out: GenerationOutput) -> CalibrationReport:
+            return self._calibrated(out, top_k, min_p_value)
+
+        try:
+            out = self.generate(prompt_token_ids, sampling)
+        except EnginesLost as lost:  # the report is made from the call's whole output, once it is redone
+            raise lost.then(judged) from lost.__cause__
+        return judged(out)
+
+    @staticmethod
+    def _calibrated(out: GenerationOutput, top_k: int, min_p_value: float) -> CalibrationReport:
         report = calibration_report(out.token_ids, out.top_logprobs, top_k)
         if report.p_value < min_p_value:
             raise SamplingSelfCheckFailed(

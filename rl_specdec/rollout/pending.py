@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import ray
 
+from rl_specdec.errors import EnginesLost
 from rl_specdec.rollout.interfaces import GenerationOutput
 
 
@@ -28,6 +29,13 @@ class PendingGeneration:
         return len(ready) == len(self.refs)
 
     def result(self) -> GenerationOutput:
-        """Wait for every shard and join them in input order (an engine that died raises
-        ``GenerationEngineDied``)."""
-        return GenerationOutput.concat(self._get(self.refs), with_top=self.with_top)
+        """Wait for every shard and join them in input order (engines that died raise
+        :class:`~rl_specdec.errors.EnginesLost`, whose ``redo`` returns the joined output)."""
+        try:
+            parts = self._get(self.refs)
+        except EnginesLost as lost:
+            raise lost.then(self._join) from lost.__cause__
+        return self._join(parts)
+
+    def _join(self, parts: list[Any]) -> GenerationOutput:
+        return GenerationOutput.concat(parts, with_top=self.with_top)
