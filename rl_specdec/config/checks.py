@@ -14,7 +14,6 @@ import typing
 from rl_specdec.config import precision
 from rl_specdec.config.kinds import check_kinds
 from rl_specdec.config.schema import LOG_LEVELS, GRPOConfig, PolicyConfig, RunConfig
-from rl_specdec.config.speculation import validate_speculation
 from rl_specdec.errors import ConfigError
 from rl_specdec.vllm_ext.declarations import kind_of
 
@@ -106,8 +105,7 @@ def validate(cfg: RunConfig) -> None:
             f"checkpoint.on_error={cfg.checkpoint.on_error!r} must be stop (a checkpoint that cannot be written "
             "stops the run) or warn (a warning, and training goes on)"
         )
-    validate_restarts(cfg)
-    validate_speculation(gen)
+    validate_restarts(cfg)  # speculation is checked as it is resolved (config/load.py::resolve), once
     from rl_specdec.tasks import TASKS
 
     if cfg.task.name not in TASKS:

@@ -25,11 +25,6 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
         raise ConfigError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
 
-def validate_speculation(gen: GenerationConfig) -> None:
-    """The canary, run-time k and drafter training: values, and whether the method supports them."""
-    resolved_speculation(gen)
-
-
 def resolved_speculation(gen: GenerationConfig) -> GenerationConfig:
     """``gen`` checked, with its speculation's nulls and ``auto`` resolved (run-time k's mode, start and fast
     path; the drafter's learning rate), as new settings: ``gen`` itself is left as it is."""
