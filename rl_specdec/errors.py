@@ -43,7 +43,7 @@ class EnginesLost(GenerationEngineDied):
             try:
                 return finish(self.redo())
             except EnginesLost as again:
-                raise again.then(finish) from None
+                raise again.then(finish) from again.__cause__  # the dead engine's own error
 
         lost = EnginesLost(str(self), self.engines, redo)
         lost.__cause__ = self.__cause__

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rl_specdec.grpo.recovery import CANARY, EngineRecovery, Updated, after_update
+from rl_specdec.grpo.recovery import CANARY, REFIT, EngineRecovery, Updated
 
 
 def _run(pipeline=None, finished=2, **restart):
@@ -53,7 +53,7 @@ def test_a_refused_replacement_names_its_setting(restart, pipeline, words):
 def test_after_the_update_the_stop_saves_the_updated_step_marked_incomplete():
     run = _run()
     recovery, saved = _recovery(run)
-    where = recovery._save_for_stop(after_update("refit", Updated(3, lambda: {"train/loss": 0.5})))
+    where = recovery._save_for_stop(REFIT.after(Updated(3, lambda: {"train/loss": 0.5})))
     assert saved == [(3, {"train/loss": 0.5, "faults/incomplete_step": 1.0}, False)]
     assert run.drafter.finished == [None]  # the drafter's step finished, not refit into the dead engines
     assert "step_000003" in where and "resume=true" in where
@@ -65,7 +65,7 @@ def test_after_the_update_the_stop_saves_the_updated_step_marked_incomplete():
 def test_before_the_update_or_pipelined_the_stop_saves_nothing_new(updated, pipeline):
     run = _run(pipeline=pipeline)
     recovery, saved = _recovery(run)
-    where = recovery._save_for_stop(CANARY if updated is None else after_update("refit", updated))
+    where = recovery._save_for_stop(CANARY if updated is None else REFIT.after(updated))
     assert all(step == 2 for step, _, _ in saved) and "step_000002" in where
 
 
@@ -135,3 +135,28 @@ def test_run_restarts_need_checkpoints():
         load_config(None, ["run.max_restarts=2", "checkpoint.enabled=false"])
     with pytest.raises(ConfigError, match=r"run.max_restarts=-1 must be >= 0"):
         load_config(None, ["run.max_restarts=-1"])
+
+
+def test_a_loss_carried_through_a_join_keeps_each_deaths_own_cause():
+    """``EnginesLost.then``: a redo returns the caller's own result, and a second loss while redoing carries the
+    second death's error (what the handler names) and the same finish."""
+    from rl_specdec.errors import EnginesLost
+
+    first, second = RuntimeError("engine 0 killed"), RuntimeError("engine 0 killed again")
+    tries = iter([second, None])
+
+    def redo():
+        if (error := next(tries)) is not None:
+            lost = EnginesLost("again", [0], redo)
+            lost.__cause__ = error
+            raise lost
+        return ["a", "b"]
+
+    lost = EnginesLost("lost", [0], redo)
+    lost.__cause__ = first
+    joined = lost.then("".join)
+    assert joined.__cause__ is first and joined.engines == [0]
+    with pytest.raises(EnginesLost) as again:
+        joined.redo()
+    assert again.value.__cause__ is second
+    assert again.value.redo() == "ab"

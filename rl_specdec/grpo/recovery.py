@@ -36,6 +36,7 @@ refit; the dead engine's share generated again is in ``timing/generation``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -65,22 +66,20 @@ class Phase:
 
     name: str
     holds_finished: bool = False  # the trainer and drafter hold exactly the last finished step's state
+    refits: bool = False  # a replacement's refit (every engine, verified) is the phase's whole work
     updated: Updated | None = None  # after the step's update: that step and its row so far
 
-    def refits(self) -> bool:
-        """A refit phase: a replacement's refit (every engine, verified) is the phase's whole work."""
-        return self.name == "refit"
+    def after(self, updated: Updated | None) -> Phase:
+        """This phase of a step whose update ``updated`` describes (None with one step off-policy, whose stop
+        saves the newest checkpoint)."""
+        return dataclasses.replace(self, updated=updated)
 
 
 BASELINE = Phase("baseline", holds_finished=True)  # the step-0 row: the sampling check, the untrained validation
 GENERATION = Phase("generation", holds_finished=True)  # the step's rollouts (before the update)
 CANARY = Phase("canary")  # after the rollouts, before the update; the drafter may have begun its step
-
-
-def after_update(name: str, updated: Updated | None) -> Phase:
-    """The refit or validation phase of a step whose update ``updated`` describes (None with one step off-policy,
-    whose stop saves the newest checkpoint)."""
-    return Phase(name, updated=updated)
+REFIT = Phase("refit", refits=True)  # after the update: use .after(updated)
+VALIDATION = Phase("validation")  # after the update and its refit: use .after(updated)
 
 
 def within_hour(times: list[float], now: float) -> list[float]:
@@ -111,7 +110,7 @@ class EngineRecovery:
         except SpeculationTurnedOff as off:
             return self._speculation_off(off)
         except GenerationEngineDied as e:
-            dead = self.run.generation.dead_engines() if phase.refits() else []
+            dead = self.run.generation.dead_engines() if phase.refits else []
             if not dead:
                 raise
             self._replace(phase, dead, e)

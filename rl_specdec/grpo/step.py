@@ -39,7 +39,7 @@ import torch
 
 from rl_specdec.grpo.advantages import group_advantages
 from rl_specdec.grpo.batch import Trajectory, build_train_batch, select_for_training
-from rl_specdec.grpo.recovery import BASELINE, CANARY, GENERATION, Phase, Updated, after_update
+from rl_specdec.grpo.recovery import BASELINE, CANARY, GENERATION, REFIT, VALIDATION, Phase, Updated
 from rl_specdec.grpo.run import GRPORun
 from rl_specdec.metrics import compute_spec_decode_metrics
 from rl_specdec.rollout import GenerationOutput, SamplingSettings
@@ -194,7 +194,7 @@ def refit(run: GRPORun, updated: Updated | None) -> None:
     ``updated``: the update being refit (None with one step off-policy)."""
     with run.timer("refit"):
         run.faults.guarded(
-            after_update("refit", updated),
+            REFIT.after(updated),
             lambda: run.generation.update_weights_buckets(run.policy.state_dict_buckets()),
         )
 
@@ -205,7 +205,7 @@ def validate_if_due(run: GRPORun, step: int, updated: Updated | None) -> dict[st
     if not due(step + 1, g.val_every, g.max_steps):
         return {}
     with run.timer("validation"):
-        return evaluate(run, after_update("validation", updated))
+        return evaluate(run, VALIDATION.after(updated))
 
 
 def step_metrics(out: GenerationOutput, learned: Learned, extra, times) -> dict[str, float]:
