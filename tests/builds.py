@@ -35,7 +35,7 @@ def _smollm2_head(log=None) -> Path | None:
     """A head built as pkg:smollm2-135m-instruct-eagle3's is, on fewer of the model's own answers and steps."""
     import dataclasses
 
-    from rl_specdec.toy.heads import CHAT_HEAD, build_chat_head
+    from rl_specdec.heads.build import CHAT_HEAD, build_chat_head
 
     model = _smollm2_path(log)
     head = dataclasses.replace(CHAT_HEAD, pool=1, steps=24, chain_steps=1)
@@ -56,7 +56,7 @@ def _log(msg: str) -> None:
 def _build_steps():
     """(fixture, build) for each model the tests build: the longest first, then sources before what is built
     from them, so that the two workers find independent work first."""
-    from rl_specdec.toy.heads import build_head
+    from rl_specdec.heads.build import build_head
     from rl_specdec.toy.longtail import build_longtail_models
     from rl_specdec.toy.wide import build_wide_models
 
@@ -103,7 +103,7 @@ def toy(built):
 @pytest.fixture(scope="session")
 def toy_head(built, toy) -> Path:
     """The toy policy's EAGLE-3 head (``toy:eagle3``)."""
-    from rl_specdec.toy.heads import build_head
+    from rl_specdec.heads.build import build_head
 
     return build_head(toy, log=_log)
 

@@ -31,7 +31,7 @@ COMMANDS = (
     "refit",
     "exactness",
 )
-# every module of benchmarks/studies/ that runs (engine_parts is a part of k0_cost's, run by none)
+# every module of benchmarks/studies/ that runs
 STUDIES = tuple(
     sorted(p.stem for p in (ROOT / "benchmarks" / "studies").glob("*.py") if '__name__ == "__main__"' in p.read_text())
 )

@@ -140,8 +140,8 @@ def draft_vocab_head(head, hf_policy, hf_reference, tmp_path_factory):
     """The toy's head given EAGLE-3's draft vocabulary (its own LM head over 24 tokens, mapped back by d2t)."""
     import torch
 
+    from rl_specdec.heads.build import with_draft_vocabulary
     from rl_specdec.heads.eagle3 import load_head, save_head
-    from rl_specdec.toy.heads import with_draft_vocabulary
 
     counts = torch.bincount(torch.tensor([t for ids in hf_reference for t in ids]), minlength=32)
     lm_head = hf_policy.get_output_embeddings().weight.detach()

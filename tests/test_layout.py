@@ -124,7 +124,7 @@ def bare_imports(path: str, source: str, names: set[str]) -> list[str]:
 
 def test_no_file_edits_sys_path_and_benchmarks_are_imported_as_the_package():
     names = benchmark_modules(ROOT / "benchmarks")
-    assert {"bench_common", "bench", "rollout", "whatif", "grpo", "k0_cost"} <= names, sorted(names)
+    assert {"bench_common", "bench", "rollout", "whatif", "grpo", "train_step"} <= names, sorted(names)
     edits, bare = [], []
     for folder in NO_PATH_EDITS:
         for path in sorted((ROOT / folder).rglob("*.py")):
@@ -247,7 +247,9 @@ def test_no_benchmark_imports_a_private_name_of_rl_specdec():
 
 
 def test_the_private_import_check_catches_a_name_and_a_module():
-    source = "from rl_specdec.toy.heads import _chat_batches\nimport rl_specdec.policy._inner\nfrom rl_specdec import x"
+    source = (
+        "from rl_specdec.heads.eagle3 import _chat_batches\nimport rl_specdec.policy._inner\nfrom rl_specdec import x"
+    )
     assert private_reaches("b.py", source) == ["b.py:1 _chat_batches", "b.py:2 rl_specdec.policy._inner"]
 
 
@@ -287,3 +289,35 @@ def test_the_callback_check_catches_a_typed_and_a_named_one():
         "        self.hook: Callable[[int], None] | None = None\n        self.seed: int = 0\n        self.k = 1\n"
     )
     assert callbacks("g.py", source) == ["g.py:3 on_engine_death", "g.py:4 hook"]
+
+
+def method_comparisons(path: str, source: str, names: set[str]) -> list[str]:
+    """``path:line name`` for each comparison with a speculation method's name (``== "eagle3"``, ``in ("ngram",
+    ...)``): what a method can do is a column of ``rl_specdec/vllm_ext/methods.py``'s table, read by its row."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        for side in [node.left, *node.comparators]:
+            items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+            hits = [e.value for e in items if isinstance(e, ast.Constant) and e.value in names]
+            out += [f"{path}:{node.lineno} {h}" for h in hits]
+    return out
+
+
+def test_no_method_name_is_compared_outside_the_table():
+    from rl_specdec.vllm_ext.methods import METHODS
+
+    table = ROOT / "rl_specdec" / "vllm_ext" / "methods.py"
+    found = [
+        hit
+        for p in sorted((ROOT / "rl_specdec").rglob("*.py"))
+        if p != table
+        for hit in method_comparisons(str(p.relative_to(ROOT)), p.read_text(), set(METHODS))
+    ]
+    assert not found, "read the method's row (vllm_ext.methods.method(name)) instead: " + "; ".join(found)
+
+
+def test_the_method_check_catches_an_equality_and_a_membership():
+    source = 'if m == "eagle3" or m in ("ngram", "x"):\n    pass\nif family == "toy" or m != other:\n    pass\n'
+    assert method_comparisons("c.py", source, {"eagle3", "ngram"}) == ["c.py:1 eagle3", "c.py:1 ngram"]

@@ -1,6 +1,6 @@
 """What does training an EAGLE-3 head online cost per step on this device, against the cost model's price?
 
-The head's update as the policy worker runs it (rl_specdec/policy/head.py ``HeadTrainer.learn`` and ``end``):
+The head's update as the policy worker runs it (rl_specdec/heads/training.py ``HeadTrainer.learn`` and ``end``):
 the policy's aux hidden states and next-token log-probs of one micro-batch, detached and cast to fp32, then
 ``head_loss`` over ``--chain-steps`` training-time-test steps through the policy's own embedding and LM head,
 backward into the head only, and the head's AdamW step. Random weights and inputs at a target's shape (Qwen3-8B

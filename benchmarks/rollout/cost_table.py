@@ -78,7 +78,7 @@ def pair_prompts(pair: str, tokenizer, n: int, seed: int) -> list[list[int]]:
 def drafter_spec(models, drafter: str) -> dict:
     """The speculative engine's config: the pair's draft model, or an EAGLE-3 head built for its target."""
     if drafter == "eagle3":
-        from rl_specdec.toy.heads import build_head
+        from rl_specdec.heads.build import build_head
 
         model = str(build_head(models))
     else:

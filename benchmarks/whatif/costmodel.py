@@ -227,7 +227,7 @@ HEAD_CHAIN_STEPS = 3  # drafter_training.chain_steps's default: the training-tim
 
 
 def head_train_time(dev: Device, pair: Pair, wl: Workload, tp: int = 1, chain_steps: int = HEAD_CHAIN_STEPS) -> float:
-    """A head trained online (drafter_training on an eagle3 or mtp pair; rl_specdec/policy/head.py): its features
+    """A head trained online (drafter_training on an eagle3 or mtp pair; rl_specdec/heads/training.py): its features
     and targets come from the policy's own update forward, so no extra policy pass; the head runs forward and
     backward over every response token once per training-time-test step, 6 FLOPs per weight its pass reads (its
     layer, its fc, the LM head it projects through; a frozen LM head needs 4, so this bounds it from above).

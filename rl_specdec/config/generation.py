@@ -23,7 +23,7 @@ class ClusterConfig:
 @dataclass
 class DrafterTrainingConfig:
     """Online training of the drafter towards the policy: a draft_model by distillation (rl_specdec.drafter), an
-    eagle3 head from the policy's own hidden states (rl_specdec.policy.head)."""
+    eagle3 head from the policy's own hidden states (rl_specdec.heads.training)."""
 
     enabled: bool = False
     # AdamW's learning rate; null: 1e-3 for a draft model, 1e-4 for an eagle3 head (a head built near the policy's

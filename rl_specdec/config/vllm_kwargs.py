@@ -165,9 +165,9 @@ def _check_drafter(spec: dict[str, Any], method: str, key: str) -> None:
 def check_drafter_vocabulary(
     spec: dict[str, Any] | None, policy_model: str, *, key: str = "policy.generation.vllm_kwargs.speculative_config"
 ) -> None:
-    """A ``draft_model`` drafter has the policy's vocabulary: compared where both are local folders (their
-    ``config.json``); a hub id is left to vLLM, which compares them when the engine starts."""
-    if not spec or spec.get("method") != "draft_model" or spec.get("use_heterogeneous_vocab", False):
+    """A drafter model of a method that shares the policy's vocabulary (``draft_model``) has it: compared where
+    both are local folders (their ``config.json``); a hub id is left to vLLM, which compares them at start."""
+    if not spec or not method_row(spec.get("method")).policy_vocabulary or spec.get("use_heterogeneous_vocab", False):
         return
     drafter_vocab, policy_vocab = _local_vocab_size(spec["model"]), _local_vocab_size(policy_model)
     if drafter_vocab is not None and policy_vocab is not None and drafter_vocab != policy_vocab:

@@ -5,7 +5,7 @@ same way for both.
   (:class:`~rl_specdec.drafter.trainer.RayDrafter`) on the step's rollouts and the policy's top-k log-probs
   vLLM returned with them; its weights and optimizer are checkpointed beside the policy's.
 * :class:`PolicyHeadDrafter`: an EAGLE-3 head, trained by the policy's workers on the update's own forward
-  (:mod:`rl_specdec.policy.head`); the rollouts ask for no log-probs, and its weights travel in the policy's
+  (:mod:`rl_specdec.heads.training`); the rollouts ask for no log-probs, and its weights travel in the policy's
   checkpoint.
 
 A step: :meth:`~OnlineDrafter.begin` with the step's rollouts after generation, :meth:`~OnlineDrafter.finish`

@@ -1,5 +1,7 @@
-"""Drafter heads that read the target's hidden states (EAGLE-3), in plain torch: their shape, weights and files.
+"""Drafter heads that read the target's hidden states (EAGLE-3): all of the head's code.
 
-Imports nothing of rl_specdec, so the engines' weight checks, the toy builds and
-the trainers all use the one definition.
+``eagle3`` (the head in plain torch: shape, weights, files, loss) and ``forms`` (the published forms taken) import
+nothing of rl_specdec, so the engines' weight checks, the builds and the trainers use the one definition, and a
+machine with torch alone can run it. ``training`` trains a head inside the policy worker; ``build`` builds one at
+first use from a toy pair's data or a packaged chat model's own answers.
 """

@@ -43,7 +43,7 @@ class PolicyInterface(Protocol):
         ...
 
     def head_result(self) -> dict[str, float]:
-        """The EAGLE-3 head's last step, when the policy trains one (rl_specdec.policy.head); else {}."""
+        """The EAGLE-3 head's last step, when the policy trains one (rl_specdec.heads.training); else {}."""
         ...
 
     def head_state_dict_for_refit(self) -> Any:

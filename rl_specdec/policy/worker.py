@@ -333,7 +333,7 @@ class PolicyWorker:
         if self.head is not None and (Path(path) / "head").is_dir():  # else: the configured head (a warning upstream)
             self.head.load(Path(path) / "head")
 
-    # ---- an EAGLE-3 head trained beside the policy (rl_specdec.policy.head) --------------------
+    # ---- an EAGLE-3 head trained beside the policy (rl_specdec.heads.training) --------------------
     def head_result(self) -> dict[str, float]:
         """The last head step's metrics on this worker's shard ({} before the first)."""
         return dict(self.head.result) if self.head is not None else {}
@@ -348,7 +348,7 @@ def trained_head(cfg: PolicyConfig, device: torch.device, refit_dtype: torch.dty
     spec = cfg.generation.speculation
     if not (cfg.generation.drafter_training.enabled and spec is not None and spec.is_head):
         return None
-    from rl_specdec.policy.head import HeadTrainer
+    from rl_specdec.heads.training import HeadTrainer
 
     bf16 = precision.COMPUTE[cfg.precision] == "bfloat16"
     return HeadTrainer(spec.model, cfg.generation.drafter_training, device, refit_dtype, bf16, target_layers)

@@ -237,7 +237,7 @@ def pad_batch(seqs: list[list[int]], masks: list[list[int]], pad_id: int):
     return ids, mask
 
 
-def _sft_batch(rng: random.Random, cfg: ToyBuildConfig, tokenizer):
+def sft_batch(rng: random.Random, cfg: ToyBuildConfig, tokenizer):
     """Token ids [B, T], a loss mask on response tokens [B, T], padded right."""
     from rl_specdec.tasks.sorting import SortingTask
 
@@ -295,7 +295,7 @@ def build_toy_models(cfg: ToyBuildConfig | None = None, root: Path | None = None
 
 def _build_digits(root: Path, cfg: ToyBuildConfig, log) -> None:
     tokenizer = build_tokenizer()
-    build_pair(root, cfg, tokenizer, lambda rng: _sft_batch(rng, cfg, tokenizer), log)
+    build_pair(root, cfg, tokenizer, lambda rng: sft_batch(rng, cfg, tokenizer), log)
 
 
 def build_pair(root: Path, cfg: PairBuildConfig, tokenizer, batches, log=print, model_config=None, check=None) -> None:

@@ -73,7 +73,7 @@ def build_longtail_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, model_max_length=MAX_POSITIONS)
 
 
-def _sft_batch(rng: random.Random, cfg: LongTailToyConfig, tokenizer, counter: list[int]):
+def sft_batch(rng: random.Random, cfg: LongTailToyConfig, tokenizer, counter: list[int]):
     """Token ids [B, T] and a loss mask on response tokens [B, T]; see the module doc for the cut batches."""
     from rl_specdec.tasks.longtail import draw_budget, reference_response
 
@@ -106,7 +106,7 @@ def _build(root: Path, cfg: LongTailToyConfig, log) -> None:
         root,
         cfg,
         tokenizer,
-        lambda rng: _sft_batch(rng, cfg, tokenizer, counter),
+        lambda rng: sft_batch(rng, cfg, tokenizer, counter),
         log,
         lambda shape: build.qwen2_config(shape, vocab, eos, pad, max_positions=MAX_POSITIONS),
     )

@@ -16,7 +16,7 @@ are. From then on the engines and the trainer load that folder exactly as a
 user's checkpoint, each casting to the dtype ``policy.precision`` gives it.
 
 ``pkg:<name>-eagle3`` is an EAGLE-3 head for that model, built the first time
-inside its folder (``rl_specdec.toy.heads.build_chat_head``: trained on the
+inside its folder (``rl_specdec.heads.build.build_chat_head``: trained on the
 model's own answers to the chat task) and named where a drafter goes.
 """
 
@@ -81,7 +81,7 @@ def packaged_model_path(name: str, key: str, build: bool = True, log: Callable[[
 
     build_once(root, lambda out: write_atomically(out, write), f"{base}: dequantising {gguf.name}", log)
     if name.endswith(HEAD_SUFFIX):
-        from rl_specdec.toy.heads import build_chat_head
+        from rl_specdec.heads.build import build_chat_head
 
         return str(build_chat_head(root, log=log))
     return str(root)

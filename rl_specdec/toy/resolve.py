@@ -50,7 +50,7 @@ def _folder(name: str, key: str, toy_paths, log: Callable[[str], None]) -> str:
     if toy is not None:
         pair, attr = toy
         if attr.startswith("eagle3"):  # a head for the pair's policy, trained on it the first time (or untrained)
-            from rl_specdec.toy.heads import HeadBuildConfig, build_head
+            from rl_specdec.heads.build import HeadBuildConfig, build_head
 
             cfg = HeadBuildConfig(steps=0) if attr == "eagle3-untrained" else None
             return str(build_head(toy_paths(pair), cfg, log=log))

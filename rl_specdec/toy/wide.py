@@ -110,7 +110,7 @@ def distill_drafter(teacher, cfg: WideToyConfig, log):
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from rl_specdec.toy.longtail import MAX_POSITIONS, _sft_batch, model_vocab_size
+    from rl_specdec.toy.longtail import MAX_POSITIONS, model_vocab_size, sft_batch
 
     tok, src = build_longtail_tokenizer(), cfg.source
     counter = [0]  # batches drawn so far: every FULL_EVERY-th keeps its examples whole
@@ -122,7 +122,7 @@ def distill_drafter(teacher, cfg: WideToyConfig, log):
     try:
         build.train_lm(
             drafter,
-            lambda rng: _sft_batch(rng, src, tok, counter),
+            lambda rng: sft_batch(rng, src, tok, counter),
             tok.pad_token_id,
             src.lr,
             cfg.drafter_steps,

@@ -22,6 +22,8 @@ class Method:
     # own token ids, no model), "policy" (layers inside the policy's checkpoint: MTP), or "" (not known here)
     source: str = ""
     head: bool = False  # drafts from the target's hidden states (EAGLE-3): trains in the policy's workers
+    # its drafter model has the policy's vocabulary (a head may draft over a smaller one of its own: its d2t map)
+    policy_vocabulary: bool = False
     cpu: bool = False  # run by rl_specdec on vLLM's CPU backend: the ones its losslessness tests start there
     runtime_k: bool = False  # k set while the engine runs, k=0 steps as plain steps (rl_specdec.vllm_ext.model_runner)
     # run-time k turned on by speculation_control.mode=auto, and the controller (mode=adaptive): its model of a
@@ -47,8 +49,8 @@ class Method:
 
 _DRAFTED = (("num_speculative_tokens", 3), ("draft_sample_method", "probabilistic"))
 _TABLE = (
-    Method("draft_model", "drafter", cpu=True, runtime_k=True, controller=True, async_scheduling=True,
-           trains_online=True, defaults=_DRAFTED),
+    Method("draft_model", "drafter", policy_vocabulary=True, cpu=True, runtime_k=True, controller=True,
+           async_scheduling=True, trains_online=True, defaults=_DRAFTED),
     Method("eagle3", "drafter", head=True, cpu=True, runtime_k=True, controller=True, async_scheduling=True,
            trains_online=True, defaults=_DRAFTED),
     Method("eagle", "drafter", async_scheduling=True, defaults=_DRAFTED,

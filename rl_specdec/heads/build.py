@@ -120,16 +120,16 @@ def _pair_batches(models: ToyModels):
     """The SFT batches the pair was built on (its folder's family names it)."""
     family = models.root.parent.name
     if family == "toy":
-        from rl_specdec.toy.build import ToyBuildConfig, _sft_batch, build_tokenizer
+        from rl_specdec.toy.build import ToyBuildConfig, build_tokenizer, sft_batch
 
         tok, cfg = build_tokenizer(), ToyBuildConfig(**_build_fields(models, ToyBuildConfig))
-        return lambda rng: _sft_batch(rng, cfg, tok)
+        return lambda rng: sft_batch(rng, cfg, tok)
     if family == "toy-wide":
-        from rl_specdec.toy.longtail import _sft_batch, build_longtail_tokenizer
+        from rl_specdec.toy.longtail import build_longtail_tokenizer, sft_batch
         from rl_specdec.toy.wide import WideToyConfig
 
         tok, counter = build_longtail_tokenizer(), [0]
-        return lambda rng: _sft_batch(rng, WideToyConfig().source, tok, counter)
+        return lambda rng: sft_batch(rng, WideToyConfig().source, tok, counter)
     raise ValueError(f"no EAGLE-3 head recipe for the toy pair family {family!r} ({models.root})")
 
 
