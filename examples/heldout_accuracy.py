@@ -40,7 +40,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from rl_specdec.config import load_config
-    from rl_specdec.grpo.step import VAL_SEED, score
+    from rl_specdec.grpo.sources import VAL_SEED, score
     from rl_specdec.rollout import SamplingSettings
     from rl_specdec.rollout.group import VllmGeneration
     from rl_specdec.rollout.placement import stop_ray

@@ -3,7 +3,7 @@
 A fresh machine has none of them: the toys, their EAGLE-3 heads, the long-tail and wide pairs, and the real model's
 conversion and head take minutes each to build. The autouse fixture :func:`built` builds, before the first test,
 every one that the session's tests reach through these fixtures (``toy``, ``toy_head``, ``longtail_pair``,
-``wide_pair``, ``smollm2``, ``smollm2_head``) and that the other pytest-xdist worker is not building
+``wide_pair``, ``smollm2``, ``smollm2_head``, ``tool_toy``) and that the other pytest-xdist worker is not building
 (:func:`rl_specdec.toy.prebuild.build_free`): the two workers split the list, and each build prints a line when it
 starts and one with its time. A model that the other worker holds is waited for by the first test that needs it.
 A model that a test's GRPO run names in its config, and no fixture reached, is built by that run under the same
@@ -58,6 +58,7 @@ def _build_steps():
     from them, so that the two workers find independent work first."""
     from rl_specdec.heads.build import build_head
     from rl_specdec.toy.longtail import build_longtail_models
+    from rl_specdec.toy.tools import build_tool_toy
     from rl_specdec.toy.wide import build_wide_models
 
     return (
@@ -67,6 +68,7 @@ def _build_steps():
         ("toy_head", lambda: build_head(build_toy_models(log=_log), log=_log)),
         ("smollm2_head", lambda: _smollm2_head(_log)),
         ("wide_pair", lambda: build_wide_models(log=_log)),
+        ("tool_toy", lambda: build_tool_toy(log=_log)),
     )
 
 
@@ -138,3 +140,11 @@ def smollm2(built) -> Path:
 def smollm2_head(smollm2) -> Path:
     """A small EAGLE-3 head for the real model (see :func:`_smollm2_head`)."""
     return _smollm2_head(_log)
+
+
+@pytest.fixture(scope="session")
+def tool_toy(built):
+    """The tool toy's trained policy and drafter (``toy:tools-policy``, ``toy:tools-drafter``)."""
+    from rl_specdec.toy.tools import build_tool_toy
+
+    return build_tool_toy(log=_log)

@@ -5,7 +5,7 @@ One async engine on the tool toy (rl_specdec/toy/tools.py) with random weights
 tool-call parser and an API key. A random model writes no tool call by
 itself, so the model's output is forced with a ``structured_outputs`` regex:
 the tokens are still sampled by the engine (under speculation) and parsed by
-vLLM's parser. The trained tool toy runs end to end in examples/agent_grpo.py.
+vLLM's parser. The trained tool toy trains in the GRPO loop in tests/test_agent_grpo.py.
 """
 
 from __future__ import annotations

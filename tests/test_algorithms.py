@@ -12,7 +12,7 @@ from rl_specdec.errors import CheckpointDamaged
 from rl_specdec.grpo import ClippedPGLoss, group_advantages
 from rl_specdec.grpo.batch import Trajectory, build_train_batch
 from rl_specdec.grpo.checkpoint import CheckpointManager
-from rl_specdec.grpo.step import decode_response
+from rl_specdec.grpo.sources import decode_response
 from rl_specdec.rollout import GenerationOutput
 from rl_specdec.tasks import SortingTask
 
@@ -296,7 +296,7 @@ def test_default_run_never_trains_on_a_validation_problem(config, seed):
     from types import SimpleNamespace
 
     from rl_specdec.config import load_config
-    from rl_specdec.grpo.step import VAL_SEED, step_prompts
+    from rl_specdec.grpo.sources import VAL_SEED, step_prompts
     from rl_specdec.tasks import make_task
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / config, [f"seed={seed}"])

@@ -145,7 +145,7 @@ def test_step_zero_validation_comes_from_the_trainers_weights(uninterrupted, hf_
     """The engines started from random (dummy) weights; the sync before the first rollout must make the
     step-0 validation exactly what the real policy gives (greedy, transformers)."""
     from conftest import hf_greedy
-    from rl_specdec.grpo.step import VAL_SEED
+    from rl_specdec.grpo.sources import VAL_SEED
     from rl_specdec.tasks import make_task
 
     cfg = load_config(ROOT / "configs/grpo_spec.yaml", SMALL)

@@ -116,17 +116,17 @@ def test_a_checkpoint_mid_pipeline_resumes_exactly(pipelined, tmp_path, monkeypa
     from rl_specdec.errors import GenerationEngineDied
     from rl_specdec.grpo.pipeline import PipelinedSteps
 
-    real_step = PipelinedSteps.step
+    real_take = PipelinedSteps.take
 
     def kill_engine_at_step_3(self, step):
         if step == 2:  # 0-based: the third step; its rollouts come from checkpoint 2, its successor's never finish
             os.kill(self.run.generation.placements[0]["pid"], signal.SIGKILL)
-        return real_step(self, step)
+        return real_take(self, step)
 
-    monkeypatch.setattr(PipelinedSteps, "step", kill_engine_at_step_3)
+    monkeypatch.setattr(PipelinedSteps, "take", kill_engine_at_step_3)
     with pytest.raises(GenerationEngineDied, match="max_staleness=1"):  # a replacement would mix two versions
         _train(tmp_path)
-    monkeypatch.setattr(PipelinedSteps, "step", real_step)
+    monkeypatch.setattr(PipelinedSteps, "take", real_take)
     assert [r["step"] for r in _rows(tmp_path)] == [1, 2]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
 

@@ -129,7 +129,7 @@ def test_end_of_turn_is_the_eos(smollm2, smol_tokenizer):
     config, so the engines stop on it; padding with it is safe since every batch carries a mask."""
     from transformers import GenerationConfig
 
-    from rl_specdec.grpo.step import decode_response
+    from rl_specdec.grpo.sources import decode_response
 
     im_end = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert smol_tokenizer.eos_token_id == im_end == GenerationConfig.from_pretrained(smollm2).eos_token_id

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import DIST_SAMPLES, NGRAM, hf_greedy, hf_token_logprobs, position_test, start_engine
 from engine_debug import CYCLE, check_k_changing_is_lossless, debug, perturbed_head
-from rl_specdec.grpo.step import decode_response
+from rl_specdec.grpo.sources import decode_response
 from rl_specdec.metrics import compute_spec_decode_metrics
 from rl_specdec.rollout import SamplingSettings
 from rl_specdec.tasks import ArithmeticChatTask

@@ -17,7 +17,7 @@ def _run(pipeline=None, finished=2, **restart):
     return SimpleNamespace(
         cfg=SimpleNamespace(policy=SimpleNamespace(generation=SimpleNamespace(engine_restart=cfg))),
         checkpoints=latest,
-        pipeline=pipeline,
+        off_policy=pipeline is not None,
         finished=finished,
         last_row={},
         drafter=drafter,

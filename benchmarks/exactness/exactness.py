@@ -104,7 +104,7 @@ class Calls:
         self.tok = AutoTokenizer.from_pretrained(cfg.policy.model_name)
 
     def __call__(self, step: int):
-        from rl_specdec.grpo.step import prompt_seed, sampling_seed
+        from rl_specdec.grpo.sources import prompt_seed, sampling_seed
         from rl_specdec.rollout import SamplingSettings
         from rl_specdec.tasks import encode_prompts
 

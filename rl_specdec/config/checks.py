@@ -112,6 +112,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"task.name={cfg.task.name!r} is not a known task; choose one of {sorted(TASKS)}")
     check_task_kwargs(cfg.task.name, TASKS[cfg.task.name], cfg.task.kwargs)
     TASKS[cfg.task.name](**cfg.task.kwargs)  # a task that checks its values raises ConfigError here, at load
+    validate_episodes(cfg, TASKS[cfg.task.name])
     if cfg.cluster.placement_strategy not in PLACEMENT_STRATEGIES:
         raise ConfigError(
             f"cluster.placement_strategy={cfg.cluster.placement_strategy!r} must be PACK, SPREAD, STRICT_PACK or "
@@ -127,6 +128,33 @@ def validate(cfg: RunConfig) -> None:
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def validate_episodes(cfg: RunConfig, task_cls) -> None:
+    """A multi-turn task plays its episodes through the engines' OpenAI servers, sequentially, and with no
+    drafter trained on them; a server's own settings are checked for any task."""
+    from rl_specdec.tasks import is_episodic
+
+    gen = cfg.policy.generation
+    if gen.server is not None:
+        gen.server.check()
+    positive("task.max_turns", cfg.task.max_turns)
+    positive("task.max_episode_tokens", cfg.task.max_episode_tokens)
+    if not is_episodic(task_cls):
+        return
+    name = f"task.name={cfg.task.name}"
+    if gen.server is None:
+        raise ConfigError(
+            f"{name} is multi-turn: its episodes run through the engines' OpenAI servers; set "
+            "policy.generation.server (e.g. {tool_call_parser: hermes, enable_auto_tool_choice: true})"
+        )
+    if cfg.grpo.max_staleness:
+        raise ConfigError(f"{name} is multi-turn, which runs with grpo.max_staleness=0 only; set it to 0")
+    if gen.drafter_training.enabled:
+        raise ConfigError(
+            f"{name} is multi-turn, and no drafter trains on episodes yet: set "
+            "policy.generation.drafter_training.enabled=false"
+        )
 
 
 def validate_restarts(cfg: RunConfig) -> None:

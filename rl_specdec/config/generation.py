@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
+from rl_specdec.config.serving import ServerConfig
 from rl_specdec.vllm_ext.methods import method as method_row
 
 
@@ -217,6 +218,9 @@ class GenerationConfig:
     acceptance_canary: CanaryConfig = field(default_factory=CanaryConfig)
     speculation_control: SpeculationControlConfig = field(default_factory=SpeculationControlConfig)
     engine_restart: EngineRestartConfig = field(default_factory=EngineRestartConfig)
+    # null: engines without HTTP. Set: async engines, each serving vLLM's OpenAI app (docs/multi_turn.md lists the
+    # keys); a multi-turn task's episodes are played through it
+    server: Optional[ServerConfig] = None
     # vLLM's engine arguments, speculative_config included, validated at load; rl_specdec.config.engine_args
     # builds what an engine receives from them.
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)

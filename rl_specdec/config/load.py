@@ -142,7 +142,7 @@ def check_engine_args(cfg: RunConfig) -> RunConfig:
     from rl_specdec.vllm_ext import check_vllm
 
     gen = cfg.policy.generation
-    check_vllm(gen.allow_untested_vllm, gen.vllm_hook_features())  # before anything else reads vLLM
+    check_vllm(gen.allow_untested_vllm, gen.vllm_hook_features(server=gen.server is not None))  # before vLLM is read
     check_name(cfg.policy.model_name, "policy.model_name")
     gen = dataclasses.replace(gen, vllm_kwargs=validate_vllm_kwargs(gen.vllm_kwargs, None, training=True))
     check_trainable_method(gen)  # after vLLM's check: an unknown method is named as vLLM's, not as untrainable

@@ -27,6 +27,8 @@ TOY_MODELS = {
     "wide-policy": ("wide", "policy"),
     "wide-drafter": ("wide", "drafter"),
     "wide-eagle3": ("wide", "eagle3"),
+    "tools-policy": ("tools", "policy"),  # the tool toy: hermes-style tool calls for the lookup task
+    "tools-drafter": ("tools", "drafter"),
 }
 
 PKG_PREFIX = "pkg:"

@@ -70,6 +70,10 @@ class GRPOConfig:
 class TaskConfig:
     name: str = "sorting"
     kwargs: dict[str, Any] = field(default_factory=dict)  # the task class's arguments (its defaults where unset)
+    # a multi-turn task's bounds on an episode: model turns, and tokens (prompt and generation); one that reaches
+    # either ends with its last step's reward
+    max_turns: int = 4
+    max_episode_tokens: int = 1024
 
 
 @dataclass

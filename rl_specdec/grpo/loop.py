@@ -2,8 +2,8 @@
 
 :func:`train` sets the run up (:mod:`rl_specdec.grpo.run`), logs a step-0 row
 (the start-up sampling check and the untrained policy's held-out accuracy),
-then per step runs :func:`~rl_specdec.grpo.step.grpo_step` (with
-``grpo.max_staleness=1``, :class:`~rl_specdec.grpo.pipeline.PipelinedSteps`:
+then per step runs :func:`~rl_specdec.grpo.step.grpo_step` on the run's
+schedule (with ``grpo.max_staleness=1``, :class:`~rl_specdec.grpo.pipeline.PipelinedSteps`:
 the next step's rollouts are generated while this one trains), saves a
 checkpoint every ``checkpoint.every`` steps (atomic, with a checksum
 manifest), and logs the step's row to wandb, the console and
@@ -29,7 +29,7 @@ from rl_specdec.grpo.pipeline import PipelinedSteps, sequential_resume_note
 from rl_specdec.grpo.restarts import train_restarting
 from rl_specdec.grpo.run import GRPORun, setup
 from rl_specdec.grpo.saves import last_checkpoint, save_checkpoint
-from rl_specdec.grpo.step import due, evaluate, grpo_step, sampling_check
+from rl_specdec.grpo.step import SequentialSteps, due, evaluate, grpo_step, sampling_check
 from rl_specdec.grpo.stop import StopSignals
 
 logger = logging.getLogger(__name__)
@@ -74,9 +74,9 @@ def _attempt(cfg: RunConfig, show: bool, resume_command: str | None, restarts: i
         run.stop, stop.checkpoints, run.restarts = stop, run.checkpoints, restarts
         record_ray_processes()
         try:
-            run.pipeline = PipelinedSteps(run) if cfg.grpo.max_staleness else None
+            run.schedule = PipelinedSteps(run) if cfg.grpo.max_staleness else SequentialSteps(run)
             run.finished = run.start_step
-            if run.pipeline is None:
+            if not run.off_policy:
                 sequential_resume_note(run)
             last, finished = run_steps(run, show)
             saved = last_checkpoint(run, finished, last) if stop.requested else None
@@ -134,12 +134,12 @@ def run_steps(run: GRPORun, show: bool) -> tuple[dict[str, Any], int]:
 def step_and_log(run: GRPORun, step: int) -> dict[str, Any]:
     """One step, its checkpoint when due (or when a stop was asked for), and its row in metrics.jsonl."""
     t0 = time.perf_counter()
-    row = grpo_step(run, step) if run.pipeline is None else run.pipeline.step(step)
+    row = grpo_step(run, step)
     if run.checkpoints and (due(step + 1, run.cfg.checkpoint.every, run.cfg.grpo.max_steps) or run.stop.requested):
         checkpoint_step(run, step + 1, row)
     row["timing/step"] = time.perf_counter() - t0
-    if run.pipeline is not None:
-        row.update(run.pipeline.overlap(t0, t0 + row["timing/step"]))
+    if run.off_policy:
+        row.update(run.schedule.overlap(t0, t0 + row["timing/step"]))
     row.update(run.faults.metrics())
     if run.cfg.run.max_restarts:
         row["faults/run_restarts"] = float(run.restarts)

@@ -28,7 +28,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rl_specdec.config import RunConfig
 from rl_specdec.grpo.recovery import GENERATION
@@ -42,8 +42,9 @@ from rl_specdec.grpo.rollouts import (
     unusable,
 )
 from rl_specdec.grpo.run import GRPORun
-from rl_specdec.grpo.step import after_rollouts, learn, refit, rollout_request, step_metrics, validate_if_due
+from rl_specdec.grpo.step import Learned, Taken
 from rl_specdec.grpo.stop import StopSignals
+from rl_specdec.metrics.logger import Timer
 from rl_specdec.rollout import GenerationOutput
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,10 @@ class Launched:
 
 
 class PipelinedSteps:
-    """The steps of a run with ``grpo.max_staleness=1``; :meth:`step` is one step's row."""
+    """The schedule of a run with ``grpo.max_staleness=1`` (:class:`~rl_specdec.grpo.step.Schedule`): step t
+    trains on rollouts generated during step t-1, while step t+1's generate."""
+
+    off_policy = True
 
     def __init__(self, run: GRPORun):
         self.run, self.bound = run, run.cfg.grpo.max_staleness
@@ -84,54 +88,59 @@ class PipelinedSteps:
         if run.cfg.cluster.address is None and (why := shared_cores(run.cfg, host_cores())):
             logger.warning(why)
 
-    def step(self, step: int) -> dict[str, float]:
-        run, timer = self.run, self.run.timer
-        self.spans = {"generation": [], "train": []}
-        group_samples, prompt_ids, ro = self._take(step)
-        spec = after_rollouts(run, step, prompt_ids, ro.out)  # a canary's restart refits W_t (grpo/recovery.py)
-        launched = self._launch(step + 1) if step + 1 < run.cfg.grpo.max_steps else None
-        assert max(ro.staleness()) <= self.bound, "rollouts older than grpo.max_staleness reached the update"
-        learned = learn(run, group_samples, prompt_ids, ro.out)
-        self.spans["train"] = [(a, b) for phase, a, b in timer.spans if phase == "train"]
-        if launched is not None:
-            self.ready = self._finish(launched)
-        refits = launched is None or self.ready is not None
-        if refits:  # between generations: W_{t+1}, then the drafter
-            refit(run, None)  # a fault stops the run here, saving the newest checkpoint (grpo/recovery.py)
-            self.version = step + 1
-        spec.update(run.drafter.after_refit(run.generation if refits else None, timer))
-        spec.update(validate_if_due(run, step, None) if refits else {})
-        times = timer.pop()
-        times["timing/generation"] = ro.seconds  # the rollouts trained on; the waits are timing/generation_wait
-        return {**step_metrics(ro.out, learned, spec, times), **staleness_metrics(ro, learned.keep)}
-
-    def overlap(self, start: float, end: float) -> dict[str, float]:
-        """``timing/overlap``: the fraction of [start, end] (the last step) when generation and training both ran."""
-        return {"timing/overlap": overlap_fraction(self.spans["generation"], self.spans["train"], (start, end))}
-
-    def _take(self, step: int) -> tuple[list, list[list[int]], Rollouts]:
-        """This step's samples, prompt ids and rollouts: the ones generated during the last step when usable,
-        else generated now (a stop meanwhile drops the step, as in the sequential loop)."""
+    def take(self, step: int) -> Taken:
+        """This step's samples and rollouts: the ones generated during the last step when usable, else generated
+        now (a stop meanwhile drops the step, as in the sequential loop)."""
         run, (ro, self.ready, self.dropped) = self.run, (self.ready, None, False)
+        self.spans = {"generation": [], "train": []}
         with run.timer("prompts"):
-            group_samples, prompt_ids, sampling = rollout_request(run, step)
-        why = ro and unusable(ro, step, self.bound, prompt_ids, sampling.logprobs > 0)
+            request = run.source.request(step)
+        prompt_ids = request.prompt_ids
+        why = ro and unusable(ro, step, self.bound, prompt_ids, request.sampling.logprobs > 0)
         if why:
             logger.warning(
                 "step %d does not train on the rollouts it was given: %s; it generates its own", step + 1, why
             )
         if ro is None or why:
             with run.timer("generation_wait"), run.stop.abandonable():
-                pending = run.generation.submit(prompt_ids, sampling)
+                pending = run.source.submit(request)
                 ro = self._stamped(
                     Launched(step, prompt_ids, pending, self.version), run.faults.guarded(GENERATION, pending.result)
                 )
-        return group_samples, prompt_ids, ro
+        assert max(ro.staleness()) <= self.bound, "rollouts older than grpo.max_staleness reached the update"
+        return Taken(request, ro)
+
+    def update(self, step: int, learn: Callable[[], Learned]) -> tuple[Learned, bool]:
+        """Step ``step + 1``'s rollouts start with the weights the engines hold, W_t, and generate while ``learn``
+        turns W_t into W_{t+1}; then they are waited for. True: the engines may take W_{t+1} now (the last step,
+        or the next rollouts are in); False: a stop dropped them."""
+        last = step + 1 >= self.run.cfg.grpo.max_steps
+        launched = None if last else self._launch(step + 1)
+        learned = learn()
+        self.spans["train"] = [(a, b) for phase, a, b in self.run.timer.spans if phase == "train"]
+        if launched is not None:
+            self.ready = self._finish(launched)
+        refits = launched is None or self.ready is not None
+        if refits:  # between generations: W_{t+1}, then the drafter (a fault stops at the newest checkpoint)
+            self.version = step + 1
+        return learned, refits
+
+    def times(self, taken: Taken, timer: Timer) -> dict[str, float]:
+        times = timer.pop()
+        times["timing/generation"] = taken.rollouts.seconds  # those trained on; the waits: timing/generation_wait
+        return times
+
+    def metrics(self, taken: Taken, keep: list[int]) -> dict[str, float]:
+        return staleness_metrics(taken.rollouts, keep)
+
+    def overlap(self, start: float, end: float) -> dict[str, float]:
+        """``timing/overlap``: the fraction of [start, end] (the last step) when generation and training both ran."""
+        return {"timing/overlap": overlap_fraction(self.spans["generation"], self.spans["train"], (start, end))}
 
     def _launch(self, step: int) -> Launched:
         with self.run.timer("prompts"):
-            _, prompt_ids, sampling = rollout_request(self.run, step)
-        return Launched(step, prompt_ids, self.run.generation.submit(prompt_ids, sampling), self.version)
+            request = self.run.source.request(step)
+        return Launched(step, request.prompt_ids, self.run.source.submit(request), self.version)
 
     def _finish(self, launched: Launched) -> Rollouts | None:
         with self.run.timer("generation_wait"):

@@ -162,7 +162,7 @@ class EngineRecovery:
         c = self.cfg
         if not c.enabled:
             return "policy.generation.engine_restart.enabled=false, so the run stops"
-        if self.run.pipeline is not None:  # the dead share, generated again now, would come from newer weights
+        if self.run.off_policy:  # the dead share, generated again now, would come from newer weights
             return "with grpo.max_staleness=1 a replacement would mix two policy versions in a batch, so the run stops"
         if len(self.times) >= c.max_restarts:
             return (
@@ -182,7 +182,7 @@ class EngineRecovery:
         step's update (a death noticed in the refit or validation phase) that is the updated step, marked
         incomplete: its refit or validation had not finished, and a resume refits new engines anyway."""
         run, updated = self.run, phase.updated
-        if run.checkpoints is None or run.pipeline is not None or updated is None or updated.step != run.finished + 1:
+        if run.checkpoints is None or run.off_policy or updated is None or updated.step != run.finished + 1:
             return saved or self._checkpoint_first(phase)
         run.drafter.after_refit(None, run.timer)  # the drafter's step of this update, finished, not refit
         row = {**updated.row(), "faults/incomplete_step": 1.0}
@@ -200,7 +200,7 @@ class EngineRecovery:
         resume = run.stop.resume_hint()
         if run.checkpoints is None:
             return "checkpoint.enabled=false: there is no checkpoint to resume from"
-        if run.pipeline is None and phase.holds_finished and run.finished > 0:
+        if not run.off_policy and phase.holds_finished and run.finished > 0:
             path = self.checkpoint(run, run.finished, run.last_row)
             if path is not None:
                 return f"The last finished step ({run.finished}) is checkpointed at {path}; {resume}"

@@ -22,14 +22,16 @@ from rl_specdec.config import RunConfig, check_cluster_resources, check_runs_her
 from rl_specdec.drafter.upkeep import DrafterUpkeep
 from rl_specdec.errors import GenerationEngineDied, PolicyWorkerDied
 from rl_specdec.grpo.checkpoint import CheckpointManager
+from rl_specdec.grpo.episodes import EpisodeSource
 from rl_specdec.grpo.loss import ClippedPGLoss
 from rl_specdec.grpo.recovery import EngineRecovery
 from rl_specdec.grpo.saves import last_checkpoint
+from rl_specdec.grpo.sources import PromptSource, RolloutSource
 from rl_specdec.grpo.stop import StopSignals
 from rl_specdec.metrics.logger import MetricsLogger, Timer
 from rl_specdec.policy import PolicyInterface
 from rl_specdec.rollout import RolloutEngine
-from rl_specdec.tasks import Task, encode_prompts, make_task
+from rl_specdec.tasks import Task, encode_prompts, is_episodic, make_task
 from rl_specdec.toy.resolve import prepare_models
 
 logger = logging.getLogger(__name__)
@@ -51,14 +53,24 @@ class GRPORun:
     drafter: DrafterUpkeep
     start_step: int = 0
     stop: StopSignals = field(default_factory=StopSignals)  # SIGTERM/SIGINT: what the loop and the step check
-    pipeline: Any = None  # with grpo.max_staleness=1: the PipelinedSteps (grpo/pipeline.py) that run the steps
-    faults: EngineRecovery = field(init=False)  # what every engine call of a step goes through (grpo/recovery.py)
+    # when each step generates and refits: SequentialSteps (grpo/step.py; None means it too) or, with
+    # grpo.max_staleness=1, PipelinedSteps (grpo/pipeline.py)
+    schedule: Any = None
+    faults: EngineRecovery = field(init=False)
+    source: RolloutSource = field(init=False)  # what every engine call of a step goes through (grpo/recovery.py)
     finished: int = 0  # steps finished and logged
     last_row: dict[str, Any] = field(default_factory=dict)  # the last finished step's metrics
     restarts: int = 0  # times the run restarted itself before this attempt (run.max_restarts)
 
     def __post_init__(self) -> None:
         self.faults = EngineRecovery(self, last_checkpoint)
+        # where the steps' rollouts come from: the task's prompts, or its episodes through the engines' servers
+        self.source = EpisodeSource(self) if is_episodic(self.task) else PromptSource(self)
+
+    @property
+    def off_policy(self) -> bool:
+        """Whether a step's rollouts may come from the weights of one update before the trainer's."""
+        return self.schedule is not None and self.schedule.off_policy
 
     def shutdown(self) -> None:
         """Stop the engines, the policy workers and the drafter, in that order, and close the logger."""
@@ -121,13 +133,13 @@ def prepare_task(cfg: RunConfig) -> tuple[Any, Task]:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
     task = make_task(cfg.task.name, **cfg.task.kwargs)
-    encode_prompts(task, tokenizer, task.validation_batch(seed=0, n=1))
+    if not is_episodic(task):  # an episode's prompts are the server's to render
+        encode_prompts(task, tokenizer, task.validation_batch(seed=0, n=1))
     return tokenizer, task
 
 
 def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface, DrafterUpkeep]:
     from rl_specdec.policy import PolicyGroup
-    from rl_specdec.rollout.group import VllmGeneration
     from rl_specdec.rollout.placement import cluster_has_gpus, init_ray
 
     init_ray(cfg.cluster)
@@ -141,7 +153,7 @@ def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface, Draf
             PolicyGroup, cfg.policy, keep_reference=cfg.grpo.kl_coef > 0 or cfg.grpo.log_kl, seed=cfg.seed
         )
         try:
-            generation = VllmGeneration(cfg.policy.model_name, cfg.policy.generation, cfg.cluster, seed=cfg.seed)
+            generation = _engines(cfg)
         except BaseException:
             _discard(policy_start)
             raise
@@ -153,6 +165,16 @@ def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface, Draf
             _discard(policy_start)
             raise
     return generation, policy, drafter
+
+
+def _engines(cfg: RunConfig) -> RolloutEngine:
+    """The engine group: with ``policy.generation.server`` set, async engines each serving vLLM's OpenAI app."""
+    from rl_specdec.rollout.group import AsyncVllmGeneration, VllmGeneration
+
+    gen = cfg.policy.generation
+    if gen.server is None:
+        return VllmGeneration(cfg.policy.model_name, gen, cfg.cluster, seed=cfg.seed)
+    return AsyncVllmGeneration(cfg.policy.model_name, gen, cfg.cluster, seed=cfg.seed, server=gen.server)
 
 
 def _discard(policy_start: Future) -> None:

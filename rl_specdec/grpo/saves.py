@@ -22,14 +22,14 @@ def save_checkpoint(run, step: int, row: dict[str, Any], complete: bool = True) 
     loses nothing, and with ``grpo.max_staleness=1`` the next step's rollouts (:mod:`rl_specdec.grpo.pipeline`).
     ``complete`` False: a fault stopped the step after its update, before its refit or validation finished."""
     state = {"step": step, "data_position": step, "seed": run.cfg.seed, "metrics": row, "complete": complete}
-    if run.pipeline is not None:
-        state["pipeline"] = run.pipeline.state(step)
+    if run.off_policy:
+        state["pipeline"] = run.schedule.state(step)
 
     def save(path: str) -> None:
         run.policy.save_checkpoint(str(Path(path) / "policy"))
         run.drafter.save(Path(path))
-        if run.pipeline is not None:
-            run.pipeline.save(Path(path), step)
+        if run.off_policy:
+            run.schedule.save(Path(path), step)
 
     run.checkpoints.save(step, save, state)
 

@@ -34,63 +34,28 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 
 from rl_specdec.grpo.advantages import group_advantages
-from rl_specdec.grpo.batch import Trajectory, build_train_batch, select_for_training
+from rl_specdec.grpo.batch import build_train_batch, select_for_training
 from rl_specdec.grpo.recovery import BASELINE, CANARY, GENERATION, REFIT, VALIDATION, Phase, Updated
+from rl_specdec.grpo.rollouts import Rollouts
 from rl_specdec.grpo.run import GRPORun
+from rl_specdec.grpo.sources import Request, Scored
 from rl_specdec.metrics import compute_spec_decode_metrics
+from rl_specdec.metrics.logger import Timer
 from rl_specdec.rollout import GenerationOutput, SamplingSettings
 from rl_specdec.rollout.runtime_k.metrics import control_metrics
-from rl_specdec.tasks import Sample, encode_prompts
 
 logger = logging.getLogger(__name__)
 
-SEED_STRIDE = 1_000_003  # prime: the seeds of two runs (seed, seed + 1) never meet for step < 1e6
-STEP_SAMPLING_STRIDE = 10_007  # prime: a step's sampling seeds (this + i for request i) stay apart from the next step's
-VAL_SEED = 10**9 + 7  # held-out problems: a seed no training step reaches
-SAMPLING_CHECK_SEED = VAL_SEED + 1  # the start-up sampling check's problems
-
-
-def prompt_seed(seed: int, step: int) -> int:
-    """The task's seed for step ``step``'s problems: a pure function of the run's seed and the step."""
-    return seed * SEED_STRIDE + step
-
-
-def sampling_seed(seed: int, step: int) -> int:
-    """The engines' seed for step ``step``'s rollouts (request i is sampled with this + i)."""
-    return seed * SEED_STRIDE + step * STEP_SAMPLING_STRIDE
-
-
-def step_prompts(run: GRPORun, step: int) -> list[Sample]:
-    return run.task.make_batch(seed=prompt_seed(run.cfg.seed, step), n=run.cfg.grpo.num_prompts_per_step)
-
-
-def decode_response(tokenizer, ids: list[int], finish_reason: str) -> str:
-    if finish_reason == "stop" and ids and ids[-1] == tokenizer.eos_token_id:
-        ids = ids[:-1]
-    return tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def score(run: GRPORun, samples: list[Sample], out: GenerationOutput) -> tuple[torch.Tensor, torch.Tensor]:
-    """rewards [N], correct [N] for responses aligned with ``samples``."""
-    rewards, correct = [], []
-    for s, ids, reason in zip(samples, out.token_ids, out.finish_reasons):
-        r = run.task.score(decode_response(run.tokenizer, ids, reason), s.answer, reason == "stop")
-        rewards.append(r.reward)
-        correct.append(float(r.correct))
-    return torch.tensor(rewards), torch.tensor(correct)
-
 
 def evaluate(run: GRPORun, phase: Phase = BASELINE) -> dict[str, float]:
-    """Greedy decoding on held-out problems: ``val/reward`` and ``val/accuracy``."""
-    samples = run.task.validation_batch(seed=VAL_SEED, n=run.cfg.grpo.val_num_prompts)
-    prompt_ids = encode_prompts(run.task, run.tokenizer, samples)
+    """Greedy decoding on held-out problems (or episodes): ``val/reward`` and ``val/accuracy``."""
     greedy = SamplingSettings.from_config(run.cfg.policy.generation, temperature=0.0)
-    out = run.faults.guarded(phase, lambda: run.generation.generate(prompt_ids, greedy))
-    rewards, correct = score(run, samples, out)
+    rewards, correct = run.faults.guarded(phase, lambda: run.source.held_out(run.cfg.grpo.val_num_prompts, greedy))
     return {"val/reward": rewards.mean().item(), "val/accuracy": correct.mean().item()}
 
 
@@ -99,8 +64,7 @@ def sampling_check(run: GRPORun) -> dict[str, float]:
     n = run.cfg.grpo.self_check_prompts
     if not run.cfg.policy.generation.self_check or n == 0:
         return {}
-    samples = run.task.validation_batch(seed=SAMPLING_CHECK_SEED, n=n)
-    prompt_ids = encode_prompts(run.task, run.tokenizer, samples) * 4
+    prompt_ids = run.source.check_prompts(n) * 4
     max_tokens, seed = run.cfg.policy.generation.max_new_tokens, run.cfg.seed
     report = run.faults.guarded(
         BASELINE, lambda: run.generation.check_sampling(prompt_ids, max_tokens=max_tokens, seed=seed)
@@ -118,37 +82,78 @@ def due(step: int, every: int, last: int) -> bool:
     return bool(every) and (step % every == 0 or step == last)
 
 
-def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
-    """One GRPO step (0-based ``step``): phases 1-7; returns the step's metrics."""
-    timer = run.timer
-    with timer("prompts"):  # 1. P problems, each repeated G times (prompt-major)
-        group_samples, prompt_ids, sampling = rollout_request(run, step)
+@dataclass
+class Taken:
+    """A step's rollouts and the problems they answer."""
 
-    # 2. rollouts; the call's spec-decode counters come with them. A stop asked for meanwhile drops the step
-    with timer("generation"), run.stop.abandonable():
-        out = run.faults.guarded(GENERATION, lambda: run.generation.generate(prompt_ids, sampling))
+    request: Request  # [P*G]: each problem (or episode) repeated G times, group-major
+    rollouts: Rollouts  # their prompt ids and the engines' output, stamped with the weights that generated it
+
+
+class Schedule(Protocol):
+    """When a step's rollouts are generated and when the engines are refit. :class:`SequentialSteps`: each step
+    generates its own, then updates and refits. One step off-policy (``grpo.max_staleness=1``):
+    :class:`~rl_specdec.grpo.pipeline.PipelinedSteps` generates step t+1's rollouts while step t trains."""
+
+    off_policy: bool  # rollouts may come from one update before the trainer's weights
+
+    def take(self, step: int) -> Taken: ...
+
+    def update(self, step: int, learn: Callable[[], Learned]) -> tuple[Learned, bool]: ...
+
+    def times(self, taken: Taken, timer: Timer) -> dict[str, float]: ...
+
+    def metrics(self, taken: Taken, keep: list[int]) -> dict[str, float]: ...
+
+
+def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
+    """One GRPO step (0-based ``step``): phases 1-7, in the order the run's schedule sets; returns its metrics."""
+    timer, schedule = run.timer, run.schedule or SequentialSteps(run)
+    taken = schedule.take(step)  # 1-2. prompts and rollouts [P*G]: generated now, or during the last step
+    prompt_ids, out = taken.rollouts.prompt_ids, taken.rollouts.out
     spec = after_rollouts(run, step, prompt_ids, out)  # may start the drafter's step beside the policy's update
 
-    learned = learn(run, group_samples, prompt_ids, out)  # 3-5. rewards, advantages, policy update
-    # from here a fault saves this update, marked incomplete (grpo/recovery.py)
-    updated = Updated(step + 1, lambda: step_metrics(out, learned, spec, dict(timer.times)))
+    # 3-5. rewards, advantages, policy update; off-policy, the next step's rollouts generate meanwhile, and the
+    # engines are refit only once they are in (False: a stop dropped them, the engines were busy)
+    learned, refits = schedule.update(step, lambda: learn(run, run.source.scored(taken.request, out)))
+    # from here a fault saves this update, marked incomplete; off-policy it stops at the newest checkpoint
+    # (grpo/recovery.py)
+    row = lambda: step_metrics(out, learned, spec, dict(timer.times))  # noqa: E731
+    updated = None if schedule.off_policy else Updated(step + 1, row)
 
-    refit(run, updated)  # 6. the engines' target model gets the new weights
-    spec.update(run.drafter.after_refit(run.generation, timer))  # and the drafter, when it trained
-    spec.update(validate_if_due(run, step, updated))  # 7. validation
-    return step_metrics(out, learned, spec, timer.pop())
+    if refits:
+        refit(run, updated)  # 6. the engines' target model gets the new weights
+    spec.update(run.drafter.after_refit(run.generation if refits else None, timer))  # and the drafter's
+    spec.update(validate_if_due(run, step, updated) if refits else {})  # 7. validation
+    times = schedule.times(taken, timer)
+    return {**step_metrics(out, learned, spec, times), **schedule.metrics(taken, learned.keep)}
 
 
-def rollout_request(run: GRPORun, step: int) -> tuple[list[Sample], list[list[int]], SamplingSettings]:
-    """Step ``step``'s P problems each repeated G times (prompt-major, [P*G]), their prompt ids, and the
-    rollouts' sampling settings (the step's seeds; the policy's top-k log-probs when the drafter trains on them)."""
-    G = run.cfg.grpo.num_generations_per_prompt
-    samples = step_prompts(run, step)
-    group_samples = [s for s in samples for _ in range(G)]  # [P*G]
-    prompt_ids = [ids for ids in encode_prompts(run.task, run.tokenizer, samples) for _ in range(G)]  # [P*G]
-    seed = sampling_seed(run.cfg.seed, step)
-    sampling = SamplingSettings.from_config(run.cfg.policy.generation, seed=seed, logprobs=run.drafter.top_k(step))
-    return group_samples, prompt_ids, sampling
+class SequentialSteps:
+    """Each step generates its own rollouts with the weights the trainer holds, then updates and refits."""
+
+    off_policy = False
+
+    def __init__(self, run: GRPORun):
+        self.run = run
+
+    def take(self, step: int) -> Taken:
+        run = self.run
+        with run.timer("prompts"):  # 1. P problems (or episodes), each repeated G times (group-major)
+            request = run.source.request(step)
+        # 2. rollouts; the call's spec-decode counters come with them. A stop asked for meanwhile drops the step
+        with run.timer("generation"), run.stop.abandonable():
+            out = run.faults.guarded(GENERATION, lambda: run.source.generate(request))
+        return Taken(request, Rollouts(step, request.prompt_ids, out, [step] * len(out)))
+
+    def update(self, step: int, learn: Callable[[], Learned]) -> tuple[Learned, bool]:
+        return learn(), True
+
+    def times(self, taken: Taken, timer: Timer) -> dict[str, float]:
+        return timer.pop()
+
+    def metrics(self, taken: Taken, keep: list[int]) -> dict[str, float]:
+        return {}
 
 
 def after_rollouts(run: GRPORun, step: int, prompt_ids: list[list[int]], out: GenerationOutput) -> dict[str, float]:
@@ -171,22 +176,22 @@ class Learned:
     advantages: torch.Tensor
     keep: list[int]
     train_metrics: dict[str, float]
+    source_metrics: dict[str, float]  # the rollout source's own, with their prefix (episodes/*)
 
 
-def learn(run: GRPORun, group_samples: list[Sample], prompt_ids: list[list[int]], out: GenerationOutput) -> Learned:
-    """Phases 3-5: rewards, group advantages, and one policy update on the samples that carry signal."""
+def learn(run: GRPORun, scored: Scored) -> Learned:
+    """Phases 3-5: the rewards' group advantages, and one policy update on the trajectories that carry signal."""
     g, timer = run.cfg.grpo, run.timer
-    with timer("reward"):  # 3. rewards
-        rewards, correct = score(run, group_samples, out)  # [P*G], [P*G]
+    with timer("reward"):  # 3. rewards (the source scored them: a task's verifier, or the environment's)
+        rewards, correct = scored.rewards, scored.correct  # [P*G], [P*G]
 
     advantages = group_advantages(rewards, g.num_generations_per_prompt, g.normalize_std)  # 4. [P*G]
 
     with timer("train"):  # 5. policy update, on the samples that carry signal
         keep = select_for_training(advantages, g.skip_zero_advantage and g.kl_coef == 0)  # indices into [P*G]
-        trajectories = [Trajectory.single_turn(prompt_ids[i], out.token_ids[i], out.logprobs[i]) for i in keep]
-        batch = build_train_batch(trajectories, advantages[keep], run.tokenizer.pad_token_id)
+        batch = build_train_batch([scored.trajectories[i] for i in keep], advantages[keep], run.tokenizer.pad_token_id)
         train_metrics = run.policy.train_step(batch, run.loss_fn)
-    return Learned(rewards, correct, advantages, keep, train_metrics)
+    return Learned(rewards, correct, advantages, keep, train_metrics, scored.metrics)
 
 
 def refit(run: GRPORun, updated: Updated | None) -> None:
@@ -219,6 +224,7 @@ def step_metrics(out: GenerationOutput, learned: Learned, extra, times) -> dict[
         "train/zero_advantage_fraction": (advantages == 0).float().mean().item(),
         "train/num_samples": float(len(learned.keep)),
         **{f"train/{k}": v for k, v in learned.train_metrics.items() if k != "step_time_s"},
+        **learned.source_metrics,
         "generation/num_tokens": lengths.sum().item(),
         "generation/tokens_per_s": lengths.sum().item() / max(times["timing/generation"], 1e-9),
         "generation/response_length_mean": lengths.mean().item(),

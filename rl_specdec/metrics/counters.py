@@ -55,6 +55,19 @@ def aggregate_spec_decode_counters(counters: Iterable[Mapping[str, Any] | None] 
     return total
 
 
+def counters_delta(start: Mapping[str, Any] | None, end: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The work between two cumulative counter dicts, as one counter dict; a counter that went backwards (an
+    engine replaced between them) counts zero. {} when ``end`` has no spec-decode counters."""
+    start, out = start or {}, {}
+    for key in SCALARS:
+        if key in (end or {}):
+            out[key] = max(0.0, float(end[key]) - float(start.get(key, 0.0)))
+    if PER_POS in (end or {}):
+        before = list(start.get(PER_POS, [])) + [0.0] * len(end[PER_POS])
+        out[PER_POS] = [max(0.0, float(e) - float(b)) for e, b in zip(end[PER_POS], before)]
+    return out
+
+
 def counters_from_histogram(histogram: list[int], num_draft_tokens: int) -> dict[str, Any]:
     """One request's counters from vLLM's per-request acceptance histogram.
 

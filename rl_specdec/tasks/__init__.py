@@ -1,11 +1,24 @@
-"""Tasks (prompts + verifiers) for the GRPO loop."""
+"""Tasks for the GRPO loop: prompts and a verifier (single-turn), or episodes played in an environment
+(multi-turn: the task has ``environment(episode)``)."""
 
 from rl_specdec.tasks.arithmetic import ArithmeticChatTask
-from rl_specdec.tasks.base import Sample, Task, TaskReward, encode_prompts
+from rl_specdec.tasks.base import Environment, EnvStep, EpisodeTask, Sample, Task, TaskReward, encode_prompts
 from rl_specdec.tasks.longtail import LongTailSortTask
+from rl_specdec.tasks.lookup import LookupTask
 from rl_specdec.tasks.sorting import SortingTask
 
-TASKS = {"sorting": SortingTask, "longtail_sorting": LongTailSortTask, "chat_arithmetic": ArithmeticChatTask}
+TASKS = {
+    "sorting": SortingTask,
+    "longtail_sorting": LongTailSortTask,
+    "chat_arithmetic": ArithmeticChatTask,
+    "lookup": LookupTask,
+}
+
+
+def is_episodic(task) -> bool:
+    """Whether a task (or its class) is multi-turn: its episodes are played in an environment, through the
+    engines' OpenAI servers."""
+    return callable(getattr(task, "environment", None))
 
 
 def make_task(name: str, **kwargs) -> Task:
@@ -27,4 +40,9 @@ __all__ = [
     "TASKS",
     "make_task",
     "encode_prompts",
+    "is_episodic",
+    "Environment",
+    "EnvStep",
+    "EpisodeTask",
+    "LookupTask",
 ]

@@ -13,7 +13,7 @@ template, :mod:`rl_specdec.tasks.arithmetic`); without it a prompt is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -43,3 +43,36 @@ def encode_prompts(task: Any, tokenizer: Any, samples: list[Sample]) -> list[lis
     if encode is None:
         return [tokenizer.encode(s.prompt) for s in samples]
     return [encode(tokenizer, s.prompt) for s in samples]
+
+
+@dataclass
+class EnvStep:
+    """What an environment answers to a model turn."""
+
+    observations: list[dict[str, Any]]  # the messages after the model's (tool results, a user's reply)
+    reward: float
+    done: bool
+    correct: bool = False  # for the success rate (validation's val/accuracy)
+    info: dict[str, float] = field(default_factory=dict)  # per-episode facts the task reports (their means logged)
+
+
+class Environment(Protocol):
+    """One episode of a multi-turn task (rl_specdec/rollout/serving/episodes.py plays it through the server)."""
+
+    def reset(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The first messages, and the tools (OpenAI function schema; [] for none)."""
+        ...
+
+    def step(self, message: dict[str, Any], finish_reason: str) -> EnvStep:
+        """The model's turn (the assistant message as the server returned it, tool calls parsed by vLLM)."""
+        ...
+
+
+class EpisodeTask(Protocol):
+    """A multi-turn task: episodes drawn from a seed, each played in its own environment."""
+
+    def make_batch(self, seed: int, n: int) -> list[Any]: ...
+
+    def validation_batch(self, seed: int, n: int) -> list[Any]: ...
+
+    def environment(self, episode: Any) -> Environment: ...

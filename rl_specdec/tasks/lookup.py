@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from rl_specdec.tasks.base import TaskReward
+from rl_specdec.tasks.base import EnvStep, TaskReward
 
 KEYS = "abcdefghijklmnopqrstuvwxyz"
 DIGITS = "0123456789"
@@ -93,14 +93,45 @@ class LookupTask:
         correct = finished and answer == episode.value
         return TaskReward(reward=float(correct), correct=correct)
 
+    def environment(self, episode: Episode) -> "LookupEnv":
+        return LookupEnv(self, episode)
 
-def _turn(msg: dict[str, Any], finish_reason: str) -> dict[str, Any]:
-    return {
-        "prompt": msg["prompt_token_ids"],
-        "ids": msg["generation_token_ids"],
-        "logprobs": msg["generation_log_probs"],
-        "finish_reason": finish_reason,
-    }
+
+class LookupEnv:
+    """One lookup episode: the model's first turn may call the tool (answered with the key's value), its second
+    answers; an answer without a call ends the episode at once."""
+
+    def __init__(self, task: LookupTask, episode: Episode):
+        self.task, self.episode, self.turn, self.call_key, self.called = task, episode, 0, None, False
+
+    def reset(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        return [{"role": "user", "content": self.episode.key}], [LOOKUP_TOOL]
+
+    def step(self, message: dict[str, Any], finish_reason: str) -> EnvStep:
+        self.turn += 1
+        calls = message.get("tool_calls") or []
+        if self.turn == 1 and calls:
+            self.called, results = True, []
+            for call in calls:
+                key = _call_key(call)
+                self.call_key = key if self.call_key is None else self.call_key
+                results.append({"role": "tool", "tool_call_id": call["id"], "content": self.episode.lookup(key)})
+            return EnvStep(results, 0.0, False, info=self._info())
+        answered = self.turn == 2 and not calls
+        score = self.task.score(message.get("content") if answered else None, self.episode, finish_reason == "stop")
+        return EnvStep([], score.reward, True, score.correct, self._info())
+
+    def _info(self) -> dict[str, float]:
+        return {"called": float(self.called), "right_key": float(self.call_key == self.episode.key)}
+
+
+def _call_key(call: dict[str, Any]) -> Any:
+    """The ``key`` argument of a ``lookup`` call (None for another tool or arguments that are not JSON)."""
+    try:
+        args = json.loads(call["function"]["arguments"] or "{}")
+    except json.JSONDecodeError:
+        return None
+    return args.get("key") if call["function"]["name"] == "lookup" and isinstance(args, dict) else None
 
 
 async def play(
@@ -121,44 +152,26 @@ async def play(
     in ``ids``), ``reward``/``correct``, ``called`` (a tool call was parsed) and
     ``right_key``. ``extra_body(turn)``, if given, adds request fields per turn.
     """
-    msgs: list[dict[str, Any]] = [{"role": "user", "content": episode.key}]
-    turns, call_key = [], None
-    for t in range(2):
-        r = await client.chat.completions.create(
-            model=model,
-            messages=msgs,
-            tools=[LOOKUP_TOOL],
-            temperature=temperature,
-            seed=seed + t,
-            max_tokens=max_tokens[t],
-            extra_body=extra_body(t) if extra_body else None,
-        )
-        choice = r.choices[0]
-        msg = choice.message.to_dict()  # keeps prompt_token_ids / generation_token_ids / generation_log_probs
-        turns.append(_turn(msg, choice.finish_reason))
-        calls = msg.get("tool_calls") or []
-        if t == 1 or not calls:
-            break
-        msgs.append(msg)
-        for call in calls:
-            try:
-                args = json.loads(call["function"]["arguments"] or "{}")
-            except json.JSONDecodeError:
-                args = {}
-            key = args.get("key") if call["function"]["name"] == "lookup" and isinstance(args, dict) else None
-            call_key = key if call_key is None else call_key
-            msgs.append({"role": "tool", "tool_call_id": call["id"], "content": episode.lookup(key)})
-    answered = len(turns) == 2 and not msg.get("tool_calls")
-    score = task.score(msg.get("content") if answered else None, episode, turns[-1]["finish_reason"] == "stop")
-    last = turns[-1]
+    from rl_specdec.rollout.serving.episodes import run_episode
+
+    x = await run_episode(
+        client,
+        model,
+        task.environment(episode),
+        seed=seed,
+        temperature=temperature,
+        max_turns=2,
+        max_tokens=list(max_tokens),
+        extra_body=extra_body,
+    )
     return {
-        "ids": last["prompt"] + last["ids"],
-        "turns": [(len(x["prompt"]), x["ids"], x["logprobs"]) for x in turns],
-        "prompts": [x["prompt"] for x in turns],
-        "reward": score.reward,
-        "correct": score.correct,
-        "called": len(turns) == 2,  # vLLM's parser found a tool call in turn 1
-        "right_key": call_key == episode.key,
+        "ids": x.token_ids,
+        "turns": [(t.start, t.ids, t.logprobs) for t in x.turns],
+        "prompts": x.prompts,
+        "reward": x.reward,
+        "correct": x.correct,
+        "called": bool(x.info["called"]),  # vLLM's parser found a tool call in turn 1
+        "right_key": bool(x.info["right_key"]),
     }
 
 

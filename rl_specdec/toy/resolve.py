@@ -32,9 +32,11 @@ def _toy_pairs(log: Callable[[str], None]) -> Callable[[str], Any]:
         if pair not in cache:
             from rl_specdec.toy.build import build_toy_models
             from rl_specdec.toy.longtail import build_longtail_models
+            from rl_specdec.toy.tools import build_tool_toy
             from rl_specdec.toy.wide import build_wide_models
 
             builders = {"digits": build_toy_models, "longtail": build_longtail_models, "wide": build_wide_models}
+            builders["tools"] = build_tool_toy
             cache[pair] = builders[pair](log=log)
         return cache[pair]
 

@@ -1,0 +1,120 @@
+"""Episodes of several turns played through the engines' OpenAI servers, with an environment's reset and step.
+
+An :class:`~rl_specdec.tasks.base.Environment` is a task's one episode: ``reset`` gives the first messages and
+the tools (the OpenAI function schema), ``step`` takes the model's turn (the assistant message as the server
+returned it, tool calls parsed by vLLM's parser) and gives the observations that follow it (tool results, a
+user's reply), a reward, and whether the episode is done.
+
+:func:`run_episode` plays one with the real ``openai`` client. The server splices the model's own tokens into
+each next prompt (rl_specdec/rollout/serving/prefix.py), so every prompt must begin with the previous prompt and
+the ids generated after it: that is checked at every turn, and a prompt that does not is a
+:class:`~rl_specdec.errors.PrefixSpliceError`, never a silent retokenisation. The episode's token ids are then
+the last prompt plus its generation, and each model turn is a span of them with the engine's log-probs.
+
+Bounds: ``max_turns`` model turns, and ``max_episode_tokens`` (prompt and generation); an episode that reaches
+either ends with the reward of its last step. :func:`run_episodes` plays a step's episodes concurrently, spread
+over the engines' servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from rl_specdec.errors import PrefixSpliceError
+from rl_specdec.tasks.base import Environment, EnvStep
+
+
+@dataclass
+class Turn:
+    start: int  # where the turn's ids begin in the episode's token ids
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    tool_calls: int  # tool calls vLLM's parser found in it
+
+
+@dataclass
+class EpisodeResult:
+    token_ids: list[int]  # the whole episode: the last prompt and its generation
+    turns: list[Turn]
+    prompts: list[list[int]]  # each turn's prompt, as the server rendered and spliced it
+    reward: float
+    correct: bool
+    info: dict[str, float]
+    done_s: float  # seconds from the step's start to this episode's end
+
+    @property
+    def model_tokens(self) -> int:
+        return sum(len(t.ids) for t in self.turns)
+
+
+def check_splice(prompts: list[list[int]], turns: list[Turn], prompt: list[int]) -> None:
+    """The next ``prompt`` begins with the last prompt and the ids the model generated after it."""
+    if not prompts:
+        return
+    prefix = prompts[-1] + turns[-1].ids
+    if prompt[: len(prefix)] != prefix:
+        at = next((i for i, (a, b) in enumerate(zip(prompt, prefix)) if a != b), min(len(prompt), len(prefix)))
+        raise PrefixSpliceError(
+            f"turn {len(prompts) + 1}'s prompt does not begin with turn {len(prompts)}'s prompt and the model's own "
+            f"{len(turns[-1].ids)} ids (first difference at position {at} of {len(prefix)}): the server did not "
+            "splice the model's tokens into the history; serve with rl_specdec's app (server.rl_defaults: true)"
+        )
+
+
+async def run_episode(
+    client, model: str, env: Environment, *, seed: int, temperature: float, max_turns: int, max_tokens, **limits
+) -> EpisodeResult:
+    """One episode through ``client`` (an ``openai.AsyncOpenAI``); ``max_tokens``: per turn, an int or one per turn.
+    ``limits``: ``max_episode_tokens``, ``extra_body`` (turn -> request fields), ``started`` (perf_counter)."""
+    messages, tools = env.reset()
+    prompts: list[list[int]] = []
+    turns: list[Turn] = []
+    step = EnvStep([], 0.0, False)
+    for t in range(max_turns):
+        budget = max_tokens if isinstance(max_tokens, int) else max_tokens[min(t, len(max_tokens) - 1)]
+        extra = limits.get("extra_body")
+        request = {"model": model, "messages": messages, "temperature": temperature, "seed": seed + t}
+        request.update(max_tokens=budget, extra_body=extra(t) if extra else None, **({"tools": tools} if tools else {}))
+        r = await client.chat.completions.create(**request)
+        choice = r.choices[0]
+        msg = choice.message.to_dict()  # keeps prompt_token_ids / generation_token_ids / generation_log_probs
+        prompt, ids = msg["prompt_token_ids"], msg["generation_token_ids"]
+        check_splice(prompts, turns, prompt)
+        prompts.append(prompt)
+        calls = len(msg.get("tool_calls") or [])
+        turns.append(Turn(len(prompt), ids, msg["generation_log_probs"], choice.finish_reason, calls))
+        step = env.step(msg, choice.finish_reason)
+        if step.done or len(prompt) + len(ids) >= limits.get("max_episode_tokens", 1 << 30):
+            break
+        messages = [*messages, msg, *step.observations]
+    started = limits.get("started", time.perf_counter())
+    return EpisodeResult(
+        prompts[-1] + turns[-1].ids, turns, prompts, step.reward, step.correct, step.info, time.perf_counter() - started
+    )
+
+
+async def run_episodes(
+    base_urls: list[str], model: str, envs: list[Environment], *, seed: int, concurrency: int = 32, **kw
+) -> list[EpisodeResult]:
+    """Every environment's episode, in order; episode i goes to server ``i % len(base_urls)`` and is seeded
+    ``seed + i * max_turns``; at most ``concurrency`` run at once per server."""
+    from openai import AsyncOpenAI
+
+    api_key, timeout = kw.pop("api_key", None) or "unused", kw.pop("timeout", 600.0)
+    kw.setdefault("started", time.perf_counter())
+    clients = [AsyncOpenAI(base_url=u, api_key=api_key, max_retries=0, timeout=120.0) for u in base_urls]
+    gates = [asyncio.Semaphore(concurrency) for _ in base_urls]
+
+    async def one(i: int, env: Environment) -> EpisodeResult:
+        k = i % len(clients)
+        async with gates[k]:
+            return await run_episode(clients[k], model, env, seed=seed + i * kw["max_turns"], **kw)
+
+    try:
+        return await asyncio.wait_for(asyncio.gather(*(one(i, e) for i, e in enumerate(envs))), timeout=timeout)
+    finally:
+        for c in clients:
+            await c.close()

@@ -1,0 +1,158 @@
+"""Episodes for the loop, as pure logic: the lookup environment's reset and step, the splice check at every turn,
+the bounds on turns and tokens, the step's episode metrics and counter deltas, and the config checks of a
+multi-turn task. The episodes through the real server and the real client are in tests/test_agent_grpo.py."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from rl_specdec.errors import ConfigError, PrefixSpliceError
+from rl_specdec.grpo.batch import Trajectory
+from rl_specdec.grpo.episodes import EpisodeOutput, episode_metrics
+from rl_specdec.metrics.counters import ACCEPTED, DRAFTS, PER_POS, counters_delta
+from rl_specdec.rollout.serving.episodes import EpisodeResult, Turn, check_splice, run_episode
+from rl_specdec.tasks.lookup import Episode, LookupTask
+
+TABLE = (("a", "482"), ("b", "555"))
+
+
+def call(key: str) -> dict:
+    return {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "%s"}' % key}}
+
+
+def test_the_lookup_environment_answers_a_call_then_scores_the_answer():
+    env = LookupTask().environment(Episode("a", TABLE))
+    messages, tools = env.reset()
+    assert messages == [{"role": "user", "content": "a"}] and tools[0]["function"]["name"] == "lookup"
+    first = env.step({"role": "assistant", "content": None, "tool_calls": [call("a")]}, "tool_calls")
+    assert not first.done and first.observations == [{"role": "tool", "tool_call_id": "c1", "content": "482"}]
+    last = env.step({"role": "assistant", "content": "482"}, "stop")
+    assert last.done and last.reward == 1.0 and last.correct and last.info == {"called": 1.0, "right_key": 1.0}
+
+
+def test_a_wrong_key_an_unfinished_answer_and_no_call_score_zero():
+    task = LookupTask()
+    env = task.environment(Episode("a", TABLE))
+    assert env.step({"content": None, "tool_calls": [call("b")]}, "tool_calls").observations[0]["content"] == "555"
+    wrong = env.step({"content": "555"}, "stop")
+    assert wrong.done and wrong.reward == 0.0 and wrong.info["right_key"] == 0.0
+    env = task.environment(Episode("a", TABLE))
+    env.step({"content": None, "tool_calls": [call("a")]}, "tool_calls")
+    assert env.step({"content": "482"}, "length").reward == 0.0  # cut at max_tokens: not finished
+    guess = task.environment(Episode("a", TABLE)).step({"content": "482"}, "stop")
+    assert guess.done and guess.reward == 0.0 and guess.info["called"] == 0.0  # an answer with no call ends it
+
+
+def turn(start: int, ids: list[int]) -> Turn:
+    return Turn(start, ids, [-0.5] * len(ids), "stop", 0)
+
+
+def test_the_splice_check_takes_an_extension_and_refuses_a_retokenised_history():
+    prompts, turns = [[1, 2, 3]], [turn(3, [7, 8, 0])]
+    check_splice(prompts, turns, [1, 2, 3, 7, 8, 0, 9, 9])  # the model's own ids, then the tool result
+    with pytest.raises(PrefixSpliceError, match="first difference at position 4 of 6"):
+        check_splice(prompts, turns, [1, 2, 3, 7, 5, 8, 0, 9])  # its turn re-rendered as other tokens
+    check_splice([], [], [4, 5])  # the first prompt has nothing to extend
+
+
+class ScriptedClient:
+    """Pure logic: answers each request with the next scripted turn, as the server's chat completion would."""
+
+    def __init__(self, script: list[tuple[list[int], list[int], dict]]):
+        self.script, self.requests = list(script), []
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+
+    async def create(self, **request):
+        self.requests.append(request)
+        prompt, ids, extra = self.script.pop(0)
+        msg = {"role": "assistant", "content": extra.get("content"), "tool_calls": extra.get("tool_calls")}
+        msg.update(prompt_token_ids=prompt, generation_token_ids=ids, generation_log_probs=[-0.1] * len(ids))
+        message = SimpleNamespace(to_dict=lambda: dict(msg))
+        return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason=extra.get("finish", "stop"))])
+
+
+def play(script, **kw):
+    client = ScriptedClient(script)
+    env = LookupTask().environment(Episode("a", TABLE))
+    args = {"seed": 10, "temperature": 1.0, "max_turns": 2, "max_tokens": [48, 8], **kw}
+    return client, asyncio.run(run_episode(client, "m", env, **args))
+
+
+def test_an_episode_is_the_last_prompt_with_each_model_turn_as_a_span():
+    client, x = play(
+        [
+            ([1, 2], [5, 6, 0], {"tool_calls": [call("a")], "finish": "tool_calls"}),
+            ([1, 2, 5, 6, 0, 9], [4, 8, 2, 0], {"content": "482"}),
+        ]
+    )
+    assert x.token_ids == [1, 2, 5, 6, 0, 9, 4, 8, 2, 0] and x.reward == 1.0 and x.model_tokens == 7
+    assert [(t.start, t.ids) for t in x.turns] == [(2, [5, 6, 0]), (6, [4, 8, 2, 0])]
+    Trajectory(x.token_ids, [(t.start, t.ids, t.logprobs) for t in x.turns]).check()
+    assert [r["seed"] for r in client.requests] == [10, 11] and [r["max_tokens"] for r in client.requests] == [48, 8]
+    assert client.requests[1]["messages"][-1] == {"role": "tool", "tool_call_id": "c1", "content": "482"}
+
+
+def test_a_prompt_that_drops_the_models_tokens_stops_the_episode():
+    with pytest.raises(PrefixSpliceError, match="turn 2's prompt"):
+        play(
+            [
+                ([1, 2], [5, 6, 0], {"tool_calls": [call("a")], "finish": "tool_calls"}),
+                ([1, 2, 5, 0, 9], [4, 0], {"content": "482"}),
+            ]
+        )
+
+
+def test_the_bounds_end_an_episode_with_its_last_reward():
+    script = [([1, 2], [5, 6, 0], {"tool_calls": [call("a")], "finish": "tool_calls"})]
+    _, by_turns = play(list(script), max_turns=1)
+    _, by_tokens = play(list(script), max_episode_tokens=5)
+    for x in (by_turns, by_tokens):
+        assert len(x.turns) == 1 and x.reward == 0.0 and x.info["called"] == 1.0
+
+
+def result(turns: list[Turn], length: int, reward: float, **info) -> EpisodeResult:
+    return EpisodeResult(list(range(length)), turns, [], reward, reward > 0, info, 1.0)
+
+
+def test_the_step_metrics_of_its_episodes():
+    xs = [
+        result([Turn(2, [1, 2, 3, 4], [0.0] * 4, "tool_calls", 1), turn(7, [1, 2])], 9, 1.0, called=1.0),
+        result([turn(2, [1, 2])], 4, 0.0, called=0.0),
+    ]
+    m = episode_metrics(xs)
+    assert m["episodes/turns_mean"] == 1.5 and m["episodes/tool_call_rate"] == 0.5 and m["episodes/called"] == 0.5
+    assert m["episodes/model_token_share"] == pytest.approx(8 / 13)
+    assert m["episodes/turn_1_response_length_mean"] == 3.0 and m["episodes/turn_2_response_length_mean"] == 2.0
+    out = EpisodeOutput.of(xs, 2.0, {})
+    assert [len(t) for t in out.token_ids] == [6, 2] and out.finish_reasons == ["stop", "stop"]
+
+
+def test_counter_deltas_never_go_backwards():
+    start = {DRAFTS: 10.0, ACCEPTED: 20.0, PER_POS: [8.0, 5.0]}
+    end = {DRAFTS: 14.0, ACCEPTED: 26.0, PER_POS: [11.0, 7.0, 1.0]}
+    assert counters_delta(start, end) == {DRAFTS: 4.0, ACCEPTED: 6.0, PER_POS: [3.0, 2.0, 1.0]}
+    assert counters_delta(end, {DRAFTS: 2.0}) == {DRAFTS: 0.0}  # a replaced engine counts from zero again
+    assert counters_delta(start, {}) == {}
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("policy.generation.server=null", "set policy.generation.server"),
+        ("grpo.max_staleness=1", "grpo.max_staleness=0 only"),
+        ("policy.generation.drafter_training.enabled=true", "drafter_training.enabled=false"),
+        ("task.max_turns=-1", "task.max_turns"),
+        ("task.max_episode_tokens=0", "task.max_episode_tokens"),
+    ],
+)
+def test_a_multi_turn_config_is_checked_at_load(override, words):
+    from pathlib import Path
+
+    from rl_specdec.config import load_config
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "agent_spec.yaml"
+    with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+        load_config(config, [override])
