@@ -21,7 +21,6 @@ on EOS, else 0.0 (no call, a malformed call, the wrong key, a wrong answer).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 from dataclasses import dataclass
@@ -173,30 +172,3 @@ async def play(
         "called": bool(x.info["called"]),  # vLLM's parser found a tool call in turn 1
         "right_key": bool(x.info["right_key"]),
     }
-
-
-async def play_many(
-    base_url: str,
-    model: str,
-    task: LookupTask,
-    episodes: list[Episode],
-    *,
-    seed: int,
-    group: int = 1,
-    concurrency: int = 32,
-    api_key: str = "unused",
-    timeout: float = 600.0,
-    **kw,
-) -> list[dict[str, Any]]:
-    """``group`` plays of every episode (episode-major order), ``concurrency`` at a time, with ``AsyncOpenAI``."""
-    from openai import AsyncOpenAI
-
-    sem = asyncio.Semaphore(concurrency)
-    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120.0) as client:
-
-        async def one(i: int, ep: Episode):
-            async with sem:
-                return await play(client, model, task, ep, seed=seed + 2 * i, **kw)
-
-        jobs = [one(i * group + j, ep) for i, ep in enumerate(episodes) for j in range(group)]
-        return await asyncio.wait_for(asyncio.gather(*jobs), timeout=timeout)
