@@ -64,14 +64,10 @@ class EpisodeSource:
     def scored(self, request: Request, out: GenerationOutput) -> Scored:
         xs = out.episodes  # an EpisodeOutput: this source's own
         trajectories = [Trajectory(x.token_ids, [(t.start, t.ids, t.logprobs) for t in x.turns]) for x in xs]
-        rewards = torch.tensor([x.reward for x in xs], dtype=torch.float)  # [P*G]
-        correct = torch.tensor([float(x.correct) for x in xs])  # [P*G]
-        return Scored(trajectories, rewards, correct, episode_metrics(xs))
+        return Scored(trajectories, *rewards(xs), episode_metrics(xs))
 
     def held_out(self, n: int, sampling: SamplingSettings) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self._play(self.run.task.validation_batch(seed=VAL_SEED, n=n), sampling)
-        xs = out.episodes
-        return torch.tensor([x.reward for x in xs], dtype=torch.float), torch.tensor([float(x.correct) for x in xs])
+        return rewards(self._play(self.run.task.validation_batch(seed=VAL_SEED, n=n), sampling).episodes)
 
     def check_prompts(self, n: int) -> list[list[int]]:
         """The held-out episodes' first prompts, rendered by the tokenizer's chat template with their tools."""
@@ -104,6 +100,11 @@ class EpisodeSource:
         )
         spec = counters_delta(before, aggregate_spec_decode_counters(engines.engine_counters()))
         return EpisodeOutput.of(xs, time.perf_counter() - t0, spec)
+
+
+def rewards(xs: list[EpisodeResult]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The episodes' rewards [N] and whether each succeeded [N]."""
+    return torch.tensor([x.reward for x in xs], dtype=torch.float), torch.tensor([float(x.correct) for x in xs])
 
 
 def episode_metrics(xs: list[EpisodeResult]) -> dict[str, float]:

@@ -43,7 +43,7 @@ from rl_specdec.grpo.batch import build_train_batch, select_for_training
 from rl_specdec.grpo.recovery import BASELINE, CANARY, GENERATION, REFIT, VALIDATION, Phase, Updated
 from rl_specdec.grpo.rollouts import Rollouts
 from rl_specdec.grpo.run import GRPORun
-from rl_specdec.grpo.sources import Request, Scored
+from rl_specdec.grpo.sources import Request
 from rl_specdec.metrics import compute_spec_decode_metrics
 from rl_specdec.metrics.logger import Timer
 from rl_specdec.rollout import GenerationOutput, SamplingSettings
@@ -115,7 +115,7 @@ def grpo_step(run: GRPORun, step: int) -> dict[str, float]:
 
     # 3-5. rewards, advantages, policy update; off-policy, the next step's rollouts generate meanwhile, and the
     # engines are refit only once they are in (False: a stop dropped them, the engines were busy)
-    learned, refits = schedule.update(step, lambda: learn(run, run.source.scored(taken.request, out)))
+    learned, refits = schedule.update(step, lambda: learn(run, taken.request, out))
     # from here a fault saves this update, marked incomplete; off-policy it stops at the newest checkpoint
     # (grpo/recovery.py)
     row = lambda: step_metrics(out, learned, spec, dict(timer.times))  # noqa: E731
@@ -179,10 +179,11 @@ class Learned:
     source_metrics: dict[str, float]  # the rollout source's own, with their prefix (episodes/*)
 
 
-def learn(run: GRPORun, scored: Scored) -> Learned:
-    """Phases 3-5: the rewards' group advantages, and one policy update on the trajectories that carry signal."""
+def learn(run: GRPORun, request: Request, out: GenerationOutput) -> Learned:
+    """Phases 3-5: rewards, group advantages, and one policy update on the trajectories that carry signal."""
     g, timer = run.cfg.grpo, run.timer
-    with timer("reward"):  # 3. rewards (the source scored them: a task's verifier, or the environment's)
+    with timer("reward"):  # 3. rewards: the source's (a task's verifier, or the environment's), with trajectories
+        scored = run.source.scored(request, out)
         rewards, correct = scored.rewards, scored.correct  # [P*G], [P*G]
 
     advantages = group_advantages(rewards, g.num_generations_per_prompt, g.normalize_std)  # 4. [P*G]
