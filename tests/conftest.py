@@ -306,6 +306,30 @@ def position_test(a: list[list[int]], b: list[list[int]], n_pos: int = DIST_TOKE
     return min(1.0, min(pvals) * len(pvals)), pvals
 
 
+def hf_samples(model, prompt: list[int], n: int, length: int, seed: int, temperature: float = 1.0) -> list[list[int]]:
+    """``n`` samples of ``length`` tokens from transformers, plain ancestral sampling (no top-k or top-p), each
+    cut after an end-of-turn token as the engine stops there. The prompt is computed once; its cache is copied to
+    the ``n`` rows."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    eos = model.generation_config.eos_token_id
+    stop = {model.config.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
+    rows = []
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1].expand(n, -1)  # [n, V]
+        past.batch_repeat_interleave(n)
+        for t in range(length):
+            probs = torch.softmax(logits.float() / temperature, dim=-1)  # [n, V]
+            rows.append(torch.multinomial(probs, 1, generator=gen))  # [n, 1]
+            if t + 1 < length:
+                out = model(input_ids=rows[-1], past_key_values=past, use_cache=True)
+                past, logits = out.past_key_values, out.logits[:, -1]
+    samples = torch.cat(rows, dim=1).tolist()  # [n, length]
+    return [s[: next((i + 1 for i, t in enumerate(s) if t in stop), len(s))] for s in samples]
+
+
 def perturbed_state_dict(hf_policy, scale=0.3, seed=0):
     """``hf_policy``'s weights plus Gaussian noise of ``scale`` times each tensor's std (tied embeddings kept
     tied): new weights for a refit."""

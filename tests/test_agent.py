@@ -1,11 +1,12 @@
 """Tools through vLLM's OpenAI server on our engine: tool calls in and out, the splice across a tool turn.
 
-One async engine on the tool toy (rl_specdec/toy/tools.py) with random weights
-(built in seconds) and draft_model speculation, serving with vLLM's hermes
-tool-call parser and an API key. A random model writes no tool call by
-itself, so the model's output is forced with a ``structured_outputs`` regex:
+One async engine on the trained tool toy (rl_specdec/toy/tools.py, the
+session's ``tool_toy``) with its drafter (draft_model speculation), serving
+with vLLM's hermes tool-call parser and an API key. Where a test needs a
+given turn, the model's output is forced with a ``structured_outputs`` regex:
 the tokens are still sampled by the engine (under speculation) and parsed by
-vLLM's parser. The trained tool toy trains in the GRPO loop in tests/test_agent_grpo.py.
+vLLM's parser. The temperature-1 test samples a spliced turn freely, against
+transformers. The same toy trains in the GRPO loop in tests/test_agent_grpo.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 
 import pytest
 
-from conftest import CPU_VLLM_KWARGS, HOST_CORES, draft_spec
+from conftest import CPU_VLLM_KWARGS, DIST_SAMPLES, HOST_CORES, draft_spec, hf_samples, position_test
 from rl_specdec.config import GenerationConfig, validate_vllm_kwargs
 from rl_specdec.tasks.lookup import LOOKUP_TOOL, Episode, LookupTask, model_tool_call, play
 
@@ -39,13 +40,6 @@ def forced(key: str, answer: str):
 def episode(key: str = "q", values: dict[str, str] | None = None) -> Episode:
     values = values or {}
     return Episode(key=key, table=tuple((k, values.get(k, "123")) for k in "abcdefghijklmnopqrstuvwxyz"))
-
-
-@pytest.fixture(scope="module")
-def tool_toy():
-    from rl_specdec.toy.tools import ToolToyConfig, build_tool_toy
-
-    return build_tool_toy(ToolToyConfig(policy_steps=0, drafter_steps=0), log=lambda *_: None)
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +263,95 @@ def test_the_api_key_is_required(url):
     assert httpx.get(url + "/models", timeout=HTTP_TIMEOUT).status_code == 401
     r = httpx.get(url + "/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=HTTP_TIMEOUT)
     assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [MODEL]
+
+
+def test_where_the_template_is_exact_the_spliced_prompt_is_apply_chat_template(client, tool_tok):
+    """No tool call: the template renders the model's answer as the model wrote it (the answer, then the
+    end-of-turn token), so the server's spliced prompt is the tokenizer's own ``apply_chat_template`` of the
+    conversation, token for token, and decodes to the template's text. (Where it is not exact, the prompt holds
+    the model's own ids instead: the retokenization test above.)"""
+
+    async def main():
+        async with client() as c:
+            first = [{"role": "user", "content": "q"}]
+            r1 = await c.chat.completions.create(
+                model=MODEL, messages=first, max_tokens=8, extra_body={"structured_outputs": {"regex": "482"}}
+            )
+            m1 = r1.choices[0].message.to_dict()
+            r2 = await c.chat.completions.create(
+                model=MODEL, messages=[*first, m1, {"role": "user", "content": "z"}], max_tokens=4
+            )
+            return m1, r2.choices[0].message.to_dict()
+
+    m1, m2 = run(main)
+    talk = [{"role": "user", "content": "q"}, {"role": "assistant", "content": m1["content"]}]
+    talk.append({"role": "user", "content": "z"})
+
+    def template(messages, **kw):
+        out = tool_tok.apply_chat_template(messages, add_generation_prompt=True, **kw)
+        return out if isinstance(out, str) else list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    assert m1["prompt_token_ids"] == template(talk[:1])
+    assert m2["prompt_token_ids"] == template(talk)
+    assert m2["prompt_token_ids"][: len(m1["prompt_token_ids"]) + len(m1["generation_token_ids"])] == (
+        m1["prompt_token_ids"] + m1["generation_token_ids"]
+    )
+    assert tool_tok.decode(m2["prompt_token_ids"]) == template(talk, tokenize=False) == "q=482<eos>z="
+
+
+SPLICED_TOKENS = 40  # the sampled turn's first tokens: a call's key is its 36th (model_tool_call)
+
+
+def _spliced_turn_samples(client, n: int) -> tuple[list[int], list[list[int]]]:
+    """The third model turn of an episode, sampled ``n`` times at temperature 1 with seeds 0..n-1: turns 1 and
+    2 are forced (the call for "q", the answer), then a new user turn; its prompt is spliced by the server from
+    the model's own ids. Returns that prompt (the same for every sample) and the samples."""
+
+    async def main():
+        async with client() as c:
+            msgs = [{"role": "user", "content": "q"}]
+            for turn in (0, 1):  # the call, then (after the tool's result) the answer
+                r = await c.chat.completions.create(
+                    model=MODEL, messages=msgs, tools=[LOOKUP_TOOL], max_tokens=48, extra_body=forced("q", "482")(turn)
+                )
+                m = r.choices[0].message.to_dict()
+                msgs.append(m)
+                if turn == 0:
+                    msgs.append({"role": "tool", "tool_call_id": m["tool_calls"][0]["id"], "content": "482"})
+            msgs.append({"role": "user", "content": "c"})
+            gate = asyncio.Semaphore(32)
+
+            async def one(seed: int):
+                async with gate:
+                    return await c.chat.completions.create(
+                        model=MODEL,
+                        messages=msgs,
+                        tools=[LOOKUP_TOOL],
+                        max_tokens=SPLICED_TOKENS,
+                        temperature=1.0,
+                        seed=seed,
+                    )
+
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    msgs = [r.choices[0].message.to_dict() for r in run(main)]
+    prompts = {tuple(m["prompt_token_ids"]) for m in msgs}
+    assert len(prompts) == 1, "every sample's prompt is the same spliced history"
+    return list(prompts.pop()), [m["generation_token_ids"] for m in msgs]
+
+
+def test_a_spliced_turn_at_temperature_one_is_distributed_as_transformers_samples(client, tool_toy, tool_tok):
+    """Under draft_model speculation, a model turn whose prompt the server spliced (two earlier turns of the
+    model's own ids and a tool result) is distributed as transformers' plain sampling from that prompt.
+    Negative control: the same test, with the same sample sizes, rejects the policy sampled at temperature 0.7."""
+    from transformers import AutoModelForCausalLM
+
+    prompt, served = _spliced_turn_samples(client, DIST_SAMPLES)
+    assert tool_tok.decode(prompt).endswith("</tool_response>482<eos>c=")
+    hf = AutoModelForCausalLM.from_pretrained(str(tool_toy.policy), dtype="float32").eval()
+    plain = hf_samples(hf, prompt, DIST_SAMPLES, SPLICED_TOKENS, seed=2000)
+    cold = hf_samples(hf, prompt, DIST_SAMPLES, SPLICED_TOKENS, seed=2001, temperature=0.7)
+    p_cold, per_pos_cold = position_test(plain, cold, n_pos=SPLICED_TOKENS)
+    assert p_cold < 1e-4, f"the test did not see temperature 0.7 against 1.0 (adjusted p={p_cold:.2e})"
+    p, per_pos = position_test(plain, served, n_pos=SPLICED_TOKENS)
+    assert p > 1e-3, f"the server's spliced turn differs from transformers' (adjusted p={p:.2e}; {per_pos})"

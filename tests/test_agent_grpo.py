@@ -1,11 +1,15 @@
 """The loop trains the tool-using agent task: ``configs/agent_spec.yaml``, every episode through vLLM's OpenAI
 app on a real async engine in a Ray actor, with the real ``openai`` client, tool calls parsed by vLLM's hermes
 parser, and the model's own tokens spliced into each next prompt (checked at every turn; a mismatch would stop
-the run). One run of two steps, then a resume from its checkpoint with speculation off."""
+the run). One run of two steps; then, with speculation off, a resume from a checkpoint whose step loses an
+engine mid-episode, against an uninterrupted run."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -67,16 +71,56 @@ def test_agent_episodes_train_through_the_server_with_speculation(tool_toy, tmp_
         assert r["spec_decode/num_drafts"] > 0 and r["spec_decode/acceptance_length"] >= 1.0  # every turn counts
 
 
-def test_an_agent_run_resumes_with_the_batches_it_would_have_seen(tool_toy, tmp_path):
+class KillMidEpisodes:
+    """SIGKILL engine ``engine``'s process once, ``after_s`` into step index ``at``'s episodes (0-based), with
+    them in flight; records which episodes each round played and every engine process seen."""
+
+    def __init__(self, monkeypatch, at: int, engine: int = 0, after_s: float = 0.3):
+        from rl_specdec.grpo import episodes, loop
+
+        self.rounds: list[list[int]] = []
+        self.pids: set[int] = set()
+        self.killed = None
+        real_step, real_episodes = loop.grpo_step, episodes.EpisodeSource._episodes
+        armed = [False]
+
+        def step(run, i):
+            armed[0] = i == at and self.killed is None
+            return real_step(run, i)
+
+        async def plays(source, todo, sampling, t0):
+            placements = source.run.generation.placements
+            self.pids.update(p["pid"] for p in placements)
+            if armed[0]:
+                armed[0], self.killed = False, placements[engine]["pid"]
+                threading.Timer(after_s, os.kill, (self.killed, signal.SIGKILL)).start()
+            self.rounds.append(sorted(todo))
+            return await real_episodes(source, todo, sampling, t0)
+
+        monkeypatch.setattr(loop, "grpo_step", step)
+        monkeypatch.setattr(episodes.EpisodeSource, "_episodes", plays)
+
+
+def test_an_agent_run_resumes_and_replays_a_dead_engines_episodes_as_the_uninterrupted_run(
+    tool_toy, tmp_path, monkeypatch
+):
     """Speculation off: plain sampling with per-request seeds is bit-reproducible, so the resumed step's episodes
-    are the uninterrupted run's (test_stops.py's reasoning)."""
+    are the uninterrupted run's (test_stops.py's reasoning), and so are the episodes a replacement engine plays
+    again. The resumed run's engine is killed with step 2's episodes in flight. (Which episodes a death
+    replays when other engines survive is tests/test_episodes.py's.)"""
+    quiet = ["grpo.val_every=0", "grpo.self_check_prompts=0"]
     full, cut = tmp_path / "full", tmp_path / "cut"
-    _train("agent_base.yaml", full, "grpo.max_steps=2", "grpo.val_every=0", "grpo.self_check_prompts=0")
-    _train("agent_base.yaml", cut, "grpo.max_steps=1", "grpo.val_every=0", "grpo.self_check_prompts=0")
-    _train("agent_base.yaml", cut, "grpo.max_steps=2", "grpo.val_every=0", "grpo.self_check_prompts=0", "resume=true")
+    _train("agent_base.yaml", full, "grpo.max_steps=2", *quiet)
+    _train("agent_base.yaml", cut, "grpo.max_steps=1", *quiet)
+    kill = KillMidEpisodes(monkeypatch, at=1)
+    _train("agent_base.yaml", cut, "grpo.max_steps=2", "resume=true", *quiet)
     a, b = _rows(full), _rows(cut)
     assert [r["step"] for r in b] == [1, 2], "a gap or a duplicate step in metrics.jsonl"
     for x, y in zip(a, b):
         for key in ("generation/num_tokens", "train/reward_mean", "episodes/turns_mean", "episodes/right_key"):
             assert y[key] == x[key], (x["step"], key)
         assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-3, abs=1e-6)
+    assert b[-1]["faults/engine_restarts"] == 1 and kill.killed is not None
+    n = 4 * 4  # episodes a step: grpo.num_prompts_per_step x num_generations_per_prompt
+    assert kill.rounds == [list(range(n)), list(range(n))], "every episode of the dead engine, once more"
+    assert len(kill.pids) == 2  # the engine and its replacement

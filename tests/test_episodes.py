@@ -156,3 +156,77 @@ def test_a_multi_turn_config_is_checked_at_load(override, words):
     config = Path(__file__).resolve().parents[1] / "configs" / "agent_spec.yaml"
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
         load_config(config, [override])
+
+
+class TwoEngines:
+    """Pure logic of the engine group an EpisodeSource sees: two engines' counters, and engine 1 dead until
+    replaced (a replacement starts its counters at zero)."""
+
+    def __init__(self):
+        self.num_engines, self.replaced = 2, False
+        self.counters = [{DRAFTS: 10.0, ACCEPTED: 20.0}, {DRAFTS: 100.0, ACCEPTED: 200.0}]
+
+    def engine_counters(self):
+        return [dict(c) for c in self.counters]
+
+    def dead_engines(self):
+        return [] if self.replaced else [1]
+
+    def base_urls(self):
+        return ["http://a/v1", "http://b/v1"]
+
+
+def _source_with_a_death(monkeypatch):
+    """An EpisodeSource over :class:`TwoEngines` whose first round loses engine 1's episodes after its first
+    (episode 1 finishes, 3 and 5 meet a dropped connection); each played episode adds one draft and two
+    accepted tokens to its engine's counters."""
+    import httpx
+    import openai
+
+    from rl_specdec.grpo.episodes import EpisodeSource
+
+    group, rounds = TwoEngines(), []
+
+    async def plays(self, todo, sampling, t0):
+        rounds.append(sorted(todo))
+        out = []
+        for i in todo:
+            if i % 2 == 1 and i > 1 and len(rounds) == 1:
+                out.append(openai.APIConnectionError(request=httpx.Request("POST", "http://b/v1")))
+                continue
+            group.counters[i % 2][DRAFTS] += 1
+            group.counters[i % 2][ACCEPTED] += 2
+            out.append(EpisodeResult([i], [turn(0, [i])], [[i]], float(i), True, {}, 0.1))
+        return out
+
+    monkeypatch.setattr(EpisodeSource, "_episodes", plays)
+    task = SimpleNamespace(environment=lambda episode: episode)
+    return EpisodeSource(SimpleNamespace(generation=group, task=task)), group, rounds
+
+
+def test_a_dead_engines_episodes_are_all_played_again_and_the_survivors_kept(monkeypatch):
+    from rl_specdec.errors import EnginesLost
+    from rl_specdec.rollout import SamplingSettings
+
+    source, group, rounds = _source_with_a_death(monkeypatch)
+    with pytest.raises(EnginesLost) as lost:
+        source._play(list(range(6)), SamplingSettings(max_tokens=4))
+    assert lost.value.engines == [1] and "[1] died with 2 episode(s) in flight" in str(lost.value)
+    group.replaced, group.counters[1] = True, {DRAFTS: 0.0, ACCEPTED: 0.0}  # the recovery's replacement
+    out = lost.value.redo()
+    assert rounds == [[0, 1, 2, 3, 4, 5], [1, 3, 5]], "engine 1's episodes, the finished one too, and no other"
+    assert [x.token_ids for x in out.episodes] == [[i] for i in range(6)]
+    # engine 0's three episodes of the first round and the replacement's three: the dead engine's work is not counted
+    assert out.spec_counters[DRAFTS] == 6.0 and out.spec_counters[ACCEPTED] == 12.0
+
+
+def test_an_episode_that_fails_on_a_live_engine_raises_its_own_error(monkeypatch):
+    """Negative control: the same dropped connection with no engine gone is the episode's error, not a loss."""
+    import openai
+
+    from rl_specdec.rollout import SamplingSettings
+
+    source, group, _ = _source_with_a_death(monkeypatch)
+    group.replaced = True  # dead_engines() finds none
+    with pytest.raises(openai.APIConnectionError):
+        source._play(list(range(4)), SamplingSettings(max_tokens=4))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import DIST_SAMPLES, NGRAM, hf_greedy, hf_token_logprobs, position_test, start_engine
+from conftest import DIST_SAMPLES, NGRAM, hf_greedy, hf_samples, hf_token_logprobs, position_test, start_engine
 from engine_debug import CYCLE, check_k_changing_is_lossless, debug, perturbed_head
 from rl_specdec.grpo.sources import decode_response
 from rl_specdec.metrics import compute_spec_decode_metrics
@@ -169,30 +169,6 @@ DIST_LEN = 6  # tokens a sample: the samples' positions each get a chi-square
 DIST_DRAWN = 200  # samples drawn to be tested against DIST_SAMPLES plain ones (the control shows it is enough)
 
 
-def hf_samples(model, prompt: list[int], n: int, seed: int, temperature: float = 1.0) -> list[list[int]]:
-    """``n`` samples of ``DIST_LEN`` tokens from transformers, plain ancestral sampling (no top-k or top-p), each
-    cut after an end-of-turn token as the engine stops there. The prompt is computed once; its cache is copied to
-    the ``n`` rows."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    eos = model.generation_config.eos_token_id
-    stop = {model.config.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
-    rows = []
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1].expand(n, -1)  # [n, V]
-        past.batch_repeat_interleave(n)
-        for t in range(DIST_LEN):
-            probs = torch.softmax(logits.float() / temperature, dim=-1)  # [n, V]
-            rows.append(torch.multinomial(probs, 1, generator=gen))  # [n, 1]
-            if t + 1 < DIST_LEN:
-                out = model(input_ids=rows[-1], past_key_values=past, use_cache=True)
-                past, logits = out.past_key_values, out.logits[:, -1]
-    samples = torch.cat(rows, dim=1).tolist()  # [n, DIST_LEN]
-    return [s[: next((i + 1 for i, t in enumerate(s) if t in stop), len(s))] for s in samples]
-
-
 @pytest.fixture(scope="module")
 def dist_prompt(smol_tokenizer) -> list[int]:
     messages = [{"role": "user", "content": DIST_CHAT}]
@@ -201,13 +177,13 @@ def dist_prompt(smol_tokenizer) -> list[int]:
 
 @pytest.fixture(scope="module")
 def plain(hf_model, dist_prompt) -> list[list[int]]:
-    return hf_samples(hf_model, dist_prompt, DIST_SAMPLES, seed=1000)
+    return hf_samples(hf_model, dist_prompt, DIST_SAMPLES, DIST_LEN, seed=1000)
 
 
 def test_the_distribution_test_sees_a_colder_policy(hf_model, dist_prompt, plain):
     """The negative control of the temperature-1 test below: the same test, the same sample sizes, on this
     prompt, rejects the policy sampled at temperature 0.8."""
-    cold = hf_samples(hf_model, dist_prompt, DIST_DRAWN, seed=1001, temperature=0.8)
+    cold = hf_samples(hf_model, dist_prompt, DIST_DRAWN, DIST_LEN, seed=1001, temperature=0.8)
     p_cold, per_pos = position_test(plain, cold, n_pos=DIST_LEN)
     assert p_cold < 1e-6, f"the test did not see temperature 0.8 against 1.0 (adjusted p={p_cold:.2e}; {per_pos})"
 

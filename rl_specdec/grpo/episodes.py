@@ -9,6 +9,12 @@ covers the model's tokens only, never a tool result or a user turn. The reward i
 ``spec_decode/*`` are the engines' counter deltas around the step's episodes (the servers serve nothing else
 meanwhile), so they cover every turn; ``generation/time_to_*`` time the episodes, and ``episodes/*`` describe
 them (:func:`episode_metrics`).
+
+Episode i is played on engine ``i % E``. When an engine dies mid-step its episodes fail with the client's
+connection error; once the group finds the engine's process gone, :class:`~rl_specdec.errors.EnginesLost` goes
+up to the run's one decision (rl_specdec/grpo/recovery.py), and its ``redo`` plays every episode of the dead
+engines again, from reset and with the same seeds, on their replacements. The other engines' episodes are kept;
+none is kept in part. ``spec_decode/*`` then count the kept work: the survivors' and the replay's.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 import torch
 
+from rl_specdec.errors import EnginesLost, GenerationEngineDied
 from rl_specdec.grpo.batch import Trajectory
 from rl_specdec.grpo.sources import SAMPLING_CHECK_SEED, VAL_SEED, Request, Scored, group_request, step_prompts
 from rl_specdec.metrics import aggregate_spec_decode_counters
@@ -80,26 +87,79 @@ class EpisodeSource:
 
     def _play(self, episodes: list[Any], sampling: SamplingSettings) -> EpisodeOutput:
         """Every episode in its own environment, across the engines' servers; the engines' counter deltas."""
-        run, gen = self.run, self.run.cfg.policy.generation
-        server, engines = gen.server, run.generation
-        before = aggregate_spec_decode_counters(engines.engine_counters())
         t0 = time.perf_counter()
-        xs = asyncio.run(
-            run_episodes(
-                engines.base_urls(),
-                server.served_model_name or run.cfg.policy.model_name,
-                [run.task.environment(e) for e in episodes],
-                seed=sampling.seed if sampling.seed is not None else 0,
-                temperature=sampling.temperature,
-                max_turns=run.cfg.task.max_turns,
-                max_tokens=gen.max_new_tokens,
-                max_episode_tokens=run.cfg.task.max_episode_tokens,
-                api_key=server.api_key,
-                started=t0,
+        before = self.run.generation.engine_counters()  # [E] cumulative, per engine
+        return self._gather(episodes, sampling, list(range(len(episodes))), [None] * len(episodes), before, {}, t0)
+
+    def _gather(self, episodes, sampling, todo: list[int], out: list, before: list, kept: dict, t0: float):
+        """Play episodes ``todo`` into ``out``. ``before``: each engine's counters when they began; ``kept``: the
+        counters of work kept from an earlier round (engines that survived a death)."""
+        engines, run = self.run.generation, self.run
+        plays = {i: run.task.environment(episodes[i]) for i in todo}  # a fresh environment: an episode from reset
+        failed = {}
+        for i, x in zip(todo, asyncio.run(self._episodes(plays, sampling, t0))):
+            if isinstance(x, BaseException):
+                failed[i] = x
+            else:
+                out[i] = x
+        if failed:
+            raise self._lost(episodes, sampling, failed, out, before, kept, t0)
+        try:
+            after = engines.engine_counters()
+        except GenerationEngineDied as e:  # an engine died after its episodes ended, before they were counted
+            dead, n = engines.dead_engines(), engines.num_engines
+            if not (failed := {i: e for i in todo if i % n in dead}):
+                raise
+            raise self._lost(episodes, sampling, failed, out, before, kept, t0) from e
+        deltas = [counters_delta(b, a) for b, a in zip(before, after)]
+        return EpisodeOutput.of(out, time.perf_counter() - t0, aggregate_spec_decode_counters([kept, *deltas]))
+
+    def _lost(self, episodes, sampling, failed: dict[int, BaseException], out: list, before, kept, t0):
+        """The error to raise for episodes that failed: :class:`~rl_specdec.errors.EnginesLost` when each failed
+        because its engine's process is gone (its ``redo`` plays every episode of the dead engines again, from
+        reset, with the same seeds, and keeps the others), else the first episode's own error."""
+        import openai
+
+        engines = self.run.generation
+        n, first = engines.num_engines, failed[min(failed)]
+        gone = all(isinstance(e, (openai.APIConnectionError, GenerationEngineDied)) for e in failed.values())
+        dead = engines.dead_engines() if gone else []
+        if not dead or any(i % n not in dead for i in failed):
+            return next(e for i, e in sorted(failed.items()) if i % n not in dead)
+
+        def redo() -> EpisodeOutput:
+            now = engines.engine_counters()  # the replacements' first counters, and what the survivors did
+            survived = [counters_delta(before[j], now[j]) for j in range(n) if j not in dead]
+            again = [i for i in range(len(episodes)) if i % n in dead]
+            for i in again:
+                out[i] = None  # never half-kept: a dead engine's finished episodes are played again too
+            return self._gather(
+                episodes, sampling, again, out, now, aggregate_spec_decode_counters([kept, *survived]), t0
             )
+
+        lost = EnginesLost(
+            f"vLLM engine(s) {dead} died with {len(failed)} episode(s) in flight ({type(first).__name__}: {first}). "
+            "Check the actor's log above (out of memory? killed?); resume=true continues from the last checkpoint.",
+            dead,
+            redo,
         )
-        spec = counters_delta(before, aggregate_spec_decode_counters(engines.engine_counters()))
-        return EpisodeOutput.of(xs, time.perf_counter() - t0, spec)
+        lost.__cause__ = first
+        return lost
+
+    async def _episodes(self, plays: dict[int, Any], sampling: SamplingSettings, t0: float) -> list:
+        run, gen = self.run, self.run.cfg.policy.generation
+        return await run_episodes(
+            run.generation.base_urls(),
+            gen.server.served_model_name or run.cfg.policy.model_name,
+            plays,
+            seed=sampling.seed if sampling.seed is not None else 0,
+            temperature=sampling.temperature,
+            max_turns=run.cfg.task.max_turns,
+            max_tokens=gen.max_new_tokens,
+            max_episode_tokens=run.cfg.task.max_episode_tokens,
+            api_key=gen.server.api_key,
+            started=t0,
+        )
 
 
 def rewards(xs: list[EpisodeResult]) -> tuple[torch.Tensor, torch.Tensor]:

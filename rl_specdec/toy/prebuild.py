@@ -33,6 +33,7 @@ EVERY = (
     "toy:wide-policy",
     "pkg:smollm2-135m-instruct-eagle3",
     "toy:wide-eagle3",
+    "toy:tools-policy",
 )
 
 

@@ -13,7 +13,7 @@ the last prompt plus its generation, and each model turn is a span of them with 
 
 Bounds: ``max_turns`` model turns, and ``max_episode_tokens`` (prompt and generation); an episode that reaches
 either ends with the reward of its last step. :func:`run_episodes` plays a step's episodes concurrently, spread
-over the engines' servers.
+over the engines' servers, each pinned to one server by its index.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
 from rl_specdec.errors import PrefixSpliceError
 from rl_specdec.tasks.base import Environment, EnvStep
@@ -97,10 +98,12 @@ async def run_episode(
 
 
 async def run_episodes(
-    base_urls: list[str], model: str, envs: list[Environment], *, seed: int, concurrency: int = 32, **kw
-) -> list[EpisodeResult]:
-    """Every environment's episode, in order; episode i goes to server ``i % len(base_urls)`` and is seeded
-    ``seed + i * max_turns``; at most ``concurrency`` run at once per server."""
+    base_urls: list[str], model: str, envs: Mapping[int, Environment], *, seed: int, concurrency: int = 32, **kw
+) -> list[EpisodeResult | BaseException]:
+    """The episodes of ``envs`` (the step's episode index -> its environment), in the mapping's order: episode i
+    goes to server ``i % len(base_urls)`` and is seeded ``seed + i * max_turns``, so an episode played again is
+    played as before; at most ``concurrency`` run at once per server. An episode that raised gives its
+    exception in its place, once every other episode has ended: the caller decides what it means."""
     from openai import AsyncOpenAI
 
     api_key, timeout = kw.pop("api_key", None) or "unused", kw.pop("timeout", 600.0)
@@ -114,7 +117,8 @@ async def run_episodes(
             return await run_episode(clients[k], model, env, seed=seed + i * kw["max_turns"], **kw)
 
     try:
-        return await asyncio.wait_for(asyncio.gather(*(one(i, e) for i, e in enumerate(envs))), timeout=timeout)
+        plays = (one(i, e) for i, e in envs.items())
+        return await asyncio.wait_for(asyncio.gather(*plays, return_exceptions=True), timeout=timeout)
     finally:
         for c in clients:
             await c.close()
