@@ -230,3 +230,39 @@ def test_an_episode_that_fails_on_a_live_engine_raises_its_own_error(monkeypatch
     group.replaced = True  # dead_engines() finds none
     with pytest.raises(openai.APIConnectionError):
         source._play(list(range(4)), SamplingSettings(max_tokens=4))
+
+
+def test_the_second_try_task_gives_feedback_after_a_wrong_answer_and_half_the_reward_for_a_right_second():
+    from rl_specdec.tasks import TASKS, is_episodic
+    from rl_specdec.tasks.retry import FEEDBACK
+
+    task = TASKS["chat_arithmetic_retry"](min_steps=1, max_steps=1, max_start=10, operations=("lose",))
+    assert is_episodic(task)
+    sample = task.make_batch(seed=0, n=1)[0]
+    env = task.environment(sample)
+    messages, tools = env.reset()
+    assert messages == [{"role": "user", "content": sample.prompt}] and tools == []
+    wrong = env.step({"role": "assistant", "content": "\\boxed{999}"}, "stop")
+    assert not wrong.done and wrong.reward == 0.0 and wrong.observations == [{"role": "user", "content": FEEDBACK}]
+    right = env.step({"role": "assistant", "content": f"\\boxed{{{sample.answer}}}"}, "stop")
+    assert right.done and right.correct and right.reward == 0.5
+    assert right.info == {"first_try_correct": 0.0, "tries": 2.0}
+    first = task.environment(sample).step({"content": f"\\boxed{{{sample.answer}}}"}, "stop")
+    assert first.done and first.reward == 1.0 and first.info["first_try_correct"] == 1.0
+    cut = task.environment(sample).step({"content": f"\\boxed{{{sample.answer}}}"}, "length")
+    assert not cut.done and cut.reward == 0.0  # cut at max_tokens: not finished, so another try
+    env = task.environment(sample)
+    env.step({"content": "no"}, "stop")
+    last = env.step({"content": "still no"}, "stop")
+    assert last.done and not last.correct and last.reward == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [({"tries": 0}, "tries"), ({"retry_reward": 2.0}, "retry_reward"), ({"chat_template_kwargs": {"a": 1}}, "chat_")],
+)
+def test_the_second_try_task_refuses_bad_kwargs_naming_them(kwargs, key):
+    from rl_specdec.tasks.retry import RetryArithmeticTask
+
+    with pytest.raises(ConfigError, match=f"task.kwargs.{key}"):
+        RetryArithmeticTask(**kwargs)

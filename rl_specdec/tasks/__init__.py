@@ -5,6 +5,7 @@ from rl_specdec.tasks.arithmetic import ArithmeticChatTask
 from rl_specdec.tasks.base import Environment, EnvStep, EpisodeTask, Sample, Task, TaskReward, encode_prompts
 from rl_specdec.tasks.longtail import LongTailSortTask
 from rl_specdec.tasks.lookup import LookupTask
+from rl_specdec.tasks.retry import RetryArithmeticTask
 from rl_specdec.tasks.sorting import SortingTask
 
 TASKS = {
@@ -12,6 +13,7 @@ TASKS = {
     "longtail_sorting": LongTailSortTask,
     "chat_arithmetic": ArithmeticChatTask,
     "lookup": LookupTask,
+    "chat_arithmetic_retry": RetryArithmeticTask,
 }
 
 
@@ -45,4 +47,5 @@ __all__ = [
     "EnvStep",
     "EpisodeTask",
     "LookupTask",
+    "RetryArithmeticTask",
 ]
