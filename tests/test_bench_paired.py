@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.grpo.paired import HeadFreeTiming, PairedGeneration
+from benchmarks.grpo.paired import HeadFreeTiming, PairedGeneration, PairedSource
 from benchmarks.grpo.paired_account import (
     builds_line,
     drafter_seconds,
@@ -245,3 +245,32 @@ def test_a_pairs_models_share_the_one_build_that_made_them(tmp_path):
     assert built_where(pair / "policy") == built_where(pair / "drafter") == pair
     assert built_seconds(pair / "drafter") == 190.1 and built_seconds(old / "head") == 243.0
     assert built_where(alone) == alone and built_seconds(alone) is None  # no record: not a guess
+
+
+def test_episodes_are_paired_at_the_source_every_variant_plays_the_same_request():
+    """Episodes reach the engines over HTTP, so a variant's own source plays each step's request; the order rotates
+    and the trained source's output is the one trained on, as for a group's call."""
+    order = []
+
+    class Source:
+        def __init__(self, name, tokens):
+            self.name, self.tokens, self.requests = name, tokens, []
+
+        def generate(self, request):
+            order.append(self.name)
+            self.requests.append(request)
+            return SimpleNamespace(token_ids=[[1] * self.tokens] * 2, spec_counters={"n": self.tokens})
+
+        def held_out(self, n, sampling):
+            return self.name
+
+    base, spec, calls = Source("none", 3), Source("spec", 5), []
+    paired = PairedSource("none", base, {"spec": spec}, calls)
+    first, second = object(), object()
+    out = paired.generate(first)
+    paired.generate(second)
+    assert base.requests == spec.requests == [first, second]
+    assert out.token_ids == [[1] * 3] * 2 and order == ["none", "spec", "spec", "none"]
+    assert [set(c) for c in calls] == [{"none", "spec"}] * 2 and calls[0]["spec"]["tokens"] == 10
+    assert calls[0]["spec"]["counters"] == {"n": 5}
+    assert paired.held_out(8, None) == "none"  # validation and the rest: the trained source's
