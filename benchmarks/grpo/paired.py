@@ -166,16 +166,6 @@ class PairedSource:
         return getattr(self.trained, name)
 
 
-def start_group(cfg, seed: int):
-    """A variant's engine group: async engines serving vLLM's OpenAI app where its config has a server."""
-    from rl_specdec.rollout.group import AsyncVllmGeneration, VllmGeneration
-
-    gen = cfg.policy.generation
-    if gen.server is None:
-        return VllmGeneration(cfg.policy.model_name, gen, cfg.cluster, seed=seed)
-    return AsyncVllmGeneration(cfg.policy.model_name, gen, cfg.cluster, seed=seed, server=gen.server)
-
-
 class HeadFreeTiming:
     """The trained run's policy group in its place: beside each update, the same batch's forwards and backwards
     run once more without the head (nothing steps), timed, so the head's part of the update is measured on the
@@ -254,7 +244,7 @@ def run_seed(variants, trained: str, seed: int, steps: int, out: Path) -> list[d
     """One trained run of ``steps`` steps with every other variant's engines beside it; the per-step rows."""
     from rl_specdec.config import load_config
     from rl_specdec.grpo.episodes import EpisodeSource
-    from rl_specdec.grpo.run import setup
+    from rl_specdec.grpo.run import engine_group, setup
     from rl_specdec.grpo.step import grpo_step
     from rl_specdec.grpo.stop import StopSignals
     from rl_specdec.rollout.placement import stop_ray
@@ -275,7 +265,7 @@ def run_seed(variants, trained: str, seed: int, steps: int, out: Path) -> list[d
                 if n != trained:
                     log(f"seed {seed}: starting {n}: {c} {' '.join(o)}")
                     configs[n] = prepare_models(load_config(c, o + common))
-                    others[n] = start_group(configs[n], seed)
+                    others[n] = engine_group(configs[n])  # its seed is the trained run's (common)
             paired = run.generation = PairedGeneration(trained, run.generation, others)
             paired.refit_others(run.policy.state_dict_buckets())
             if is_episodic(run.task):  # episodes reach the engines over HTTP: paired at the source instead

@@ -153,7 +153,7 @@ def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface, Draf
             PolicyGroup, cfg.policy, keep_reference=cfg.grpo.kl_coef > 0 or cfg.grpo.log_kl, seed=cfg.seed
         )
         try:
-            generation = _engines(cfg)
+            generation = engine_group(cfg)
         except BaseException:
             _discard(policy_start)
             raise
@@ -167,7 +167,7 @@ def _start_workers(cfg: RunConfig) -> tuple[RolloutEngine, PolicyInterface, Draf
     return generation, policy, drafter
 
 
-def _engines(cfg: RunConfig) -> RolloutEngine:
+def engine_group(cfg: RunConfig) -> RolloutEngine:
     """The engine group: with ``policy.generation.server`` set, async engines each serving vLLM's OpenAI app."""
     from rl_specdec.rollout.group import AsyncVllmGeneration, VllmGeneration
 
