@@ -162,6 +162,32 @@ def test_the_openai_app_serves_it_through_its_own_chat_template(server, smol_tok
     assert max(abs(a - b) for a, b in zip(s_lps, lps)) < LOGPROB_TOL and len(s_lps) == len(lps)
 
 
+def test_a_second_turn_is_spliced_and_renders_as_the_tokenizers_own_template(server, smol_tokenizer):
+    """The real model's multi-turn task (tasks/retry.py): an answer, the feedback, a second try. The second
+    prompt begins with the first prompt and the model's own ids, and decodes to the tokenizer's own
+    ``apply_chat_template`` of the conversation; where the template re-encodes the answer to the model's ids
+    (exact), the prompt is that template's ids, token for token."""
+    from openai import OpenAI
+
+    from rl_specdec.tasks.retry import FEEDBACK
+
+    (url,) = server.base_urls()
+    client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120.0)
+    body = {"model": SERVED, "max_tokens": MAX_TOKENS, "temperature": 0}
+    first = [{"role": "user", "content": "What is 2 + 3? Answer with the number only."}]
+    m1 = client.chat.completions.create(messages=first, **body).choices[0].message.to_dict()
+    talk = [*first, m1, {"role": "user", "content": FEEDBACK}]
+    m2 = client.chat.completions.create(messages=talk, **body).choices[0].message.to_dict()
+    p1, g1, p2 = m1["prompt_token_ids"], m1["generation_token_ids"], m2["prompt_token_ids"]
+    assert p2[: len(p1) + len(g1)] == p1 + g1, "the second prompt does not carry the model's own first answer"
+    plain = [*first, {"role": "assistant", "content": m1["content"]}, talk[-1]]
+    text = smol_tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    assert smol_tokenizer.decode(p2) == text
+    ids = smol_tokenizer.apply_chat_template(plain, add_generation_prompt=True)["input_ids"]
+    if ids[len(p1) : len(p1) + len(g1)] == g1:
+        assert p2 == ids
+
+
 # ---- the head through k switches and a refit --------------------------------------------------------------
 
 DIST_CHAT = "Write one sentence about the sea."  # an open answer: a spread-out distribution at temperature 1
