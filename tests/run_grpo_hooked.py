@@ -5,7 +5,8 @@
 ``RL_SPECDEC_TEST_PAUSE=<phase>:<step>:<seconds>`` holds the run inside one phase of one step (1-based) so a
 test can signal it there: it writes ``<logger.log_dir>/paused`` and waits. ``train``: the driver sleeps before
 the policy's train step (a phase the loop finishes). ``generation``: the driver waits in ``ray.get`` on a remote
-task before the rollouts (a phase a stop drops), as it does on the engines.
+task before the rollouts (a phase a stop drops), as it does on the engines. ``episodes``: a multi-turn task's
+round of episodes (validation's too) waits in its event loop before it plays, as a turn waits for its server.
 
 ``RL_SPECDEC_TEST_DISK_FULL=<step>``: writing the checkpoint of that step fails with ENOSPC after the policy
 and the drafter have written their files, as a disk that fills up mid-save does.
@@ -34,12 +35,15 @@ def _log_dir() -> Path:
 
 
 def _pause(phase: str, step: int, seconds: float) -> None:
+    import asyncio
+
     import ray
 
+    from rl_specdec.grpo.episodes import EpisodeSource
     from rl_specdec.policy.group import PolicyGroup
     from rl_specdec.rollout.group import VllmGeneration
 
-    calls = {"train": 0, "generation": 0}
+    calls = {"train": 0, "generation": 0, "episodes": 0}
 
     @ray.remote(num_cpus=0)
     def wait(s: float) -> None:
@@ -65,7 +69,17 @@ def _pause(phase: str, step: int, seconds: float) -> None:
             hold("generation")
         return real_generate(self, prompt_token_ids, sampling)
 
+    real_episodes = EpisodeSource._episodes
+
+    async def episodes(self, plays, sampling, t0):
+        calls["episodes"] += 1
+        if phase == "episodes" and calls["episodes"] == step:
+            (_log_dir() / "paused").write_text("episodes")
+            await asyncio.sleep(seconds)  # inside the episodes' event loop, as a turn awaits its server
+        return await real_episodes(self, plays, sampling, t0)
+
     PolicyGroup.train_step, VllmGeneration.generate = train_step, generate
+    EpisodeSource._episodes = episodes
 
 
 def _disk_full(step: int) -> None:

@@ -1,15 +1,17 @@
 """The loop trains the tool-using agent task: ``configs/agent_spec.yaml``, every episode through vLLM's OpenAI
 app on a real async engine in a Ray actor, with the real ``openai`` client, tool calls parsed by vLLM's hermes
 parser, and the model's own tokens spliced into each next prompt (checked at every turn; a mismatch would stop
-the run). One run of two steps; then, with speculation off, a resume from a checkpoint whose step loses an
-engine mid-episode, against an uninterrupted run."""
+the run). One run of two steps, one step off-policy; then, with speculation off, a run stopped by SIGTERM
+mid-episode, resumed from its checkpoint with an engine lost mid-episode, against an uninterrupted run."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -53,10 +55,21 @@ def _rows(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_agent_episodes_train_through_the_server_with_speculation(tool_toy, tmp_path):
-    _train("agent_spec.yaml", tmp_path, "grpo.max_steps=2")
+def test_agent_episodes_train_through_the_server_with_speculation_one_step_off_policy(tool_toy, tmp_path):
+    """Step 2's episodes play while step 1 trains (``grpo.max_staleness=1``), and checkpoint 1 carries them."""
+    from rl_specdec.grpo.rollouts import load_rollouts
+    from rl_specdec.rollout.serving.episodes import EpisodeOutput
+
+    _train("agent_spec.yaml", tmp_path, "grpo.max_steps=2", "grpo.max_staleness=1")
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["train/staleness"] for r in rows[1:]] == [0.0, 1.0]
+    # every model token's log-prob, as the trainer computes it on the spliced episode, is the engine's (step 1
+    # trains on-policy; step 2 on episodes of the weights before it)
+    assert rows[1]["train/logprob_mismatch_max"] < 1e-3
+    carried = load_rollouts(tmp_path / "checkpoints/step_000001")
+    assert isinstance(carried.out, EpisodeOutput) and carried.step == 1 and set(carried.versions) == {0}
+    assert len(carried.out.episodes) == 16 and all(x.turns for x in carried.out.episodes)
     assert "val/accuracy" in rows[0] and "val/accuracy" in rows[2] and rows[0]["self_check/p_value"] > 0
     for r in rows[1:]:
         missing = [k for k in EPISODE_KEYS if k not in r]
@@ -66,8 +79,6 @@ def test_agent_episodes_train_through_the_server_with_speculation(tool_toy, tmp_
         assert r["episodes/turns_mean"] == pytest.approx(1.0 + r["episodes/tool_call_rate"])
         assert r["episodes/turn_2_response_length_mean"] > 0
         assert 0.2 < r["episodes/model_token_share"] < 0.9  # the prompt and the tool result are not the model's
-        # every model token's log-prob, as the trainer computes it on the spliced episode, is the engine's
-        assert r["train/logprob_mismatch_max"] < 1e-3
         assert r["spec_decode/num_drafts"] > 0 and r["spec_decode/acceptance_length"] >= 1.0  # every turn counts
 
 
@@ -101,17 +112,43 @@ class KillMidEpisodes:
         monkeypatch.setattr(episodes.EpisodeSource, "_episodes", plays)
 
 
+def sigterm_in_episodes(log_dir: Path, *extra: str) -> None:
+    """A real run_grpo.py process, sent SIGTERM while step 2's episodes are in flight: the step is dropped at
+    once, step 1 is checkpointed, exit 143, and nothing it started is left running."""
+    from test_stops import NATIVE_DUMP, Run, paused, stop_line
+
+    from rl_specdec.grpo.checkpoint import verify
+
+    hooked = [sys.executable, str(ROOT / "tests/run_grpo_hooked.py"), "--config", "configs/agent_base.yaml"]
+    args = [*hooked, *SMALL, "grpo.max_steps=2", f"logger.log_dir={log_dir}", *extra]
+    run = Run(args, {"RL_SPECDEC_TEST_PAUSE": "episodes:2:60"})
+    try:
+        run.wait_for(paused(log_dir))
+        t0 = time.monotonic()
+        run.signal(signal.SIGTERM)
+        assert run.finish() == 143, run.output
+        assert time.monotonic() - t0 < 50, "the stop waited for the episodes it drops"
+        assert run.leftovers() == []
+    finally:
+        run.kill()  # what is left when the test failed while it ran
+    assert "dropping the step in progress" in run.output and not any(s in run.output for s in NATIVE_DUMP)
+    ckpt = log_dir / "checkpoints/step_000001"
+    assert stop_line(run, "stopped by SIGTERM").startswith(f"stopped by SIGTERM after step 1: checkpoint {ckpt}")
+    assert verify(ckpt) is None and [r["step"] for r in _rows(log_dir)] == [1]
+
+
 def test_an_agent_run_resumes_and_replays_a_dead_engines_episodes_as_the_uninterrupted_run(
     tool_toy, tmp_path, monkeypatch
 ):
     """Speculation off: plain sampling with per-request seeds is bit-reproducible, so the resumed step's episodes
     are the uninterrupted run's (test_stops.py's reasoning), and so are the episodes a replacement engine plays
-    again. The resumed run's engine is killed with step 2's episodes in flight. (Which episodes a death
+    again. The first run is stopped by SIGTERM in step 2's episodes; the resumed run's engine is killed with
+    step 2's episodes in flight. (Which episodes a death
     replays when other engines survive is tests/test_episodes.py's.)"""
     quiet = ["grpo.val_every=0", "grpo.self_check_prompts=0"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     _train("agent_base.yaml", full, "grpo.max_steps=2", *quiet)
-    _train("agent_base.yaml", cut, "grpo.max_steps=1", *quiet)
+    sigterm_in_episodes(cut, *quiet)
     kill = KillMidEpisodes(monkeypatch, at=1)
     _train("agent_base.yaml", cut, "grpo.max_steps=2", "resume=true", *quiet)
     a, b = _rows(full), _rows(cut)

@@ -11,9 +11,9 @@ import pytest
 
 from rl_specdec.errors import ConfigError, PrefixSpliceError
 from rl_specdec.grpo.batch import Trajectory
-from rl_specdec.grpo.episodes import EpisodeOutput, episode_metrics
+from rl_specdec.grpo.episodes import PendingEpisodes, episode_metrics
 from rl_specdec.metrics.counters import ACCEPTED, DRAFTS, PER_POS, counters_delta
-from rl_specdec.rollout.serving.episodes import EpisodeResult, Turn, check_splice, run_episode
+from rl_specdec.rollout.serving.episodes import EpisodeOutput, EpisodeResult, Turn, check_splice, run_episode
 from rl_specdec.tasks.lookup import Episode, LookupTask
 
 TABLE = (("a", "482"), ("b", "555"))
@@ -130,6 +130,39 @@ def test_the_step_metrics_of_its_episodes():
     assert [len(t) for t in out.token_ids] == [6, 2] and out.finish_reasons == ["stop", "stop"]
 
 
+def test_a_checkpoint_carries_a_steps_episodes_exactly(tmp_path):
+    """One step off-policy: the next step's episodes, every turn and fact, come back from rollouts.json as they
+    were; the step they were played for trains on them, and a step of another size does not."""
+    from rl_specdec.grpo.rollouts import Rollouts, load_rollouts, save_rollouts, unusable
+
+    xs = [
+        result([Turn(2, [1, 2, 3], [-0.5, -0.25, 0.0], "tool_calls", 1), turn(7, [4])], 8, 1.0, called=1.0),
+        result([turn(2, [5, 6])], 4, 0.0, called=0.0),
+    ]
+    ro = Rollouts(3, [], EpisodeOutput.of(xs, 2.5, {DRAFTS: 4.0, PER_POS: [3.0, 1.0]}), [2, 2])
+    save_rollouts(tmp_path, ro)
+    back = load_rollouts(tmp_path)
+    assert back == ro and isinstance(back.out, EpisodeOutput) and isinstance(back.out.episodes[0].turns[0], Turn)
+    assert unusable(back, 3, 1, [], False, n=2) is None
+    assert "prompts are not this step's" in unusable(back, 3, 1, [], False, n=4)
+
+
+def test_pending_episodes_give_their_output_or_raise_their_error_where_it_is_asked_for():
+    import threading
+
+    gate = threading.Event()
+    pending = PendingEpisodes(lambda: gate.wait() and "out")
+    assert not pending.done()
+    gate.set()
+    assert pending.result() == "out" and pending.done()
+
+    def fail():
+        raise ConnectionError("engine 0 is gone")
+
+    with pytest.raises(ConnectionError, match="engine 0 is gone"):
+        PendingEpisodes(fail).result()
+
+
 def test_counter_deltas_never_go_backwards():
     start = {DRAFTS: 10.0, ACCEPTED: 20.0, PER_POS: [8.0, 5.0]}
     end = {DRAFTS: 14.0, ACCEPTED: 26.0, PER_POS: [11.0, 7.0, 1.0]}
@@ -142,7 +175,6 @@ def test_counter_deltas_never_go_backwards():
     ("override", "words"),
     [
         ("policy.generation.server=null", "set policy.generation.server"),
-        ("grpo.max_staleness=1", "grpo.max_staleness=0 only"),
         ("policy.generation.drafter_training.enabled=true", "drafter_training.enabled=false"),
         ("task.max_turns=-1", "task.max_turns"),
         ("task.max_episode_tokens=0", "task.max_episode_tokens"),

@@ -131,8 +131,8 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 def validate_episodes(cfg: RunConfig, task_cls) -> None:
-    """A multi-turn task plays its episodes through the engines' OpenAI servers, sequentially, and with no
-    drafter trained on them; a server's own settings are checked for any task."""
+    """A multi-turn task plays its episodes through the engines' OpenAI servers, with no drafter trained on
+    them; a server's own settings are checked for any task."""
     from rl_specdec.tasks import is_episodic
 
     gen = cfg.policy.generation
@@ -148,8 +148,6 @@ def validate_episodes(cfg: RunConfig, task_cls) -> None:
             f"{name} is multi-turn: its episodes run through the engines' OpenAI servers; set "
             "policy.generation.server (e.g. {tool_call_parser: hermes, enable_auto_tool_choice: true})"
         )
-    if cfg.grpo.max_staleness:
-        raise ConfigError(f"{name} is multi-turn, which runs with grpo.max_staleness=0 only; set it to 0")
     if gen.drafter_training.enabled:
         raise ConfigError(
             f"{name} is multi-turn, and no drafter trains on episodes yet: set "

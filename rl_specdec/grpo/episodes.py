@@ -20,9 +20,9 @@ none is kept in part. ``spec_decode/*`` then count the kept work: the survivors'
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,32 +32,44 @@ from rl_specdec.grpo.sources import SAMPLING_CHECK_SEED, VAL_SEED, Request, Scor
 from rl_specdec.metrics import aggregate_spec_decode_counters
 from rl_specdec.metrics.counters import counters_delta
 from rl_specdec.rollout import GenerationOutput, SamplingSettings
-from rl_specdec.rollout.serving.episodes import EpisodeResult, run_episodes
+from rl_specdec.rollout.serving.episodes import EpisodeOutput, EpisodeResult, run_episodes
 
 
-@dataclass
-class EpisodeOutput(GenerationOutput):
-    """A step's episodes as one generation's output: per episode, the model's tokens of all its turns (their
-    lengths and log-probs), the last turn's finish reason, and when the episode ended."""
+class PendingEpisodes:
+    """A step's episodes playing in a thread of their own while the driver trains (one step off-policy): what
+    :class:`~rl_specdec.rollout.pending.PendingGeneration` is to single-turn rollouts. The thread is a daemon:
+    episodes a stop dropped never hold the process's exit (the engines they talk to are shut down)."""
 
-    episodes: list[EpisodeResult] = field(default_factory=list)
+    def __init__(self, play: Callable[[], EpisodeOutput]):
+        self.launched_at = time.perf_counter()
+        self._out: EpisodeOutput | None = None
+        self._error: Exception | None = None
+        self._finished = threading.Event()
+        threading.Thread(target=self._run, args=(play,), name="episodes", daemon=True).start()
 
-    @classmethod
-    def of(cls, xs: list[EpisodeResult], seconds: float, spec: dict[str, Any]) -> "EpisodeOutput":
-        return cls(
-            token_ids=[[i for t in x.turns for i in t.ids] for x in xs],
-            logprobs=[[lp for t in x.turns for lp in t.logprobs] for x in xs],
-            finish_reasons=[x.turns[-1].finish_reason for x in xs],
-            per_engine_time_s=[seconds],
-            finish_time_s=[x.done_s for x in xs],
-            spec_counters=spec,
-            episodes=xs,
-        )
+    def _run(self, play: Callable[[], EpisodeOutput]) -> None:
+        try:
+            self._out = play()
+        except Exception as e:  # noqa: BLE001  raised where the result is asked for: the run decides there
+            self._error = e
+        finally:
+            self._finished.set()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def result(self) -> EpisodeOutput:
+        """Wait for every episode (a signal's handler still runs meanwhile: the wait is interruptible)."""
+        self._finished.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._out is not None
+        return self._out
 
 
 class EpisodeSource:
     """The run's multi-turn task, played through the engines' servers (a :class:`~rl_specdec.grpo.sources.
-    RolloutSource` that runs sequentially: it has no ``submit``, and one step off-policy is refused at load)."""
+    RolloutSource`: with ``grpo.max_staleness=1`` the next step's episodes play while this step trains)."""
 
     def __init__(self, run):
         self.run = run
@@ -67,6 +79,9 @@ class EpisodeSource:
 
     def generate(self, request: Request) -> EpisodeOutput:
         return self._play(request.samples, request.sampling)
+
+    def submit(self, request: Request) -> PendingEpisodes:
+        return PendingEpisodes(lambda: self._play(request.samples, request.sampling))
 
     def scored(self, request: Request, out: GenerationOutput) -> Scored:
         xs = out.episodes  # an EpisodeOutput: this source's own

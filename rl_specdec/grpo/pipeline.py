@@ -96,7 +96,7 @@ class PipelinedSteps:
         with run.timer("prompts"):
             request = run.source.request(step)
         prompt_ids = request.prompt_ids
-        why = ro and unusable(ro, step, self.bound, prompt_ids, request.sampling.logprobs > 0)
+        why = ro and unusable(ro, step, self.bound, prompt_ids, request.sampling.logprobs > 0, len(request.samples))
         if why:
             logger.warning(
                 "step %d does not train on the rollouts it was given: %s; it generates its own", step + 1, why

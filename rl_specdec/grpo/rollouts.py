@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_specdec.rollout import GenerationOutput
+from rl_specdec.rollout.serving.episodes import EpisodeOutput
 
 ROLLOUTS_FILE = "rollouts.json"
 
@@ -38,11 +39,15 @@ class Rollouts:
         return max(self.out.per_engine_time_s, default=0.0)
 
 
-def unusable(ro: Rollouts, step: int, bound: int, prompt_ids: list[list[int]], want_top: bool) -> str | None:
-    """Why step ``step`` must not train on ``ro`` (None: it may)."""
+def unusable(
+    ro: Rollouts, step: int, bound: int, prompt_ids: list[list[int]], want_top: bool, n: int | None = None
+) -> str | None:
+    """Why step ``step`` must not train on ``ro`` (None: it may). ``n``: the step's rollouts, when its prompts are
+    not token ids (episodes, whose prompts the servers render: ``prompt_ids`` is [] for both)."""
+    n = len(prompt_ids) if n is None else n
     if ro.step != step:
         return f"they were generated for step {ro.step + 1}"
-    if ro.prompt_ids != prompt_ids or len(ro.out) != len(prompt_ids) or len(ro.versions) != len(prompt_ids):
+    if ro.prompt_ids != prompt_ids or len(ro.out) != n or len(ro.versions) != n:
         return "their prompts are not this step's (another task or batch size)"
     stale = ro.staleness()
     if max(stale) > bound or min(stale) < 0:
@@ -78,7 +83,8 @@ def load_rollouts(folder: Path) -> Rollouts | None:
     out = data["output"]
     if out["top_logprobs"] is not None:
         out["top_logprobs"] = [[{int(k): v for k, v in t} for t in sample] for sample in out["top_logprobs"]]
-    return Rollouts(data["step"], data["prompt_ids"], GenerationOutput(**out), data["versions"])
+    output = EpisodeOutput.from_dict(out) if "episodes" in out else GenerationOutput(**out)
+    return Rollouts(data["step"], data["prompt_ids"], output, data["versions"])
 
 
 def _merged(spans: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:

@@ -65,6 +65,11 @@ class RolloutSource(Protocol):
 
     def generate(self, request: Request) -> GenerationOutput: ...
 
+    def submit(self, request: Request) -> Any:
+        """The generation started, ahead of its step (one step off-policy: grpo/pipeline.py): ``result()``,
+        ``done()`` and ``launched_at``."""
+        ...
+
     def scored(self, request: Request, out: GenerationOutput) -> Scored: ...
 
     def held_out(self, n: int, sampling: SamplingSettings) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,15 +78,6 @@ class RolloutSource(Protocol):
 
     def check_prompts(self, n: int) -> list[list[int]]:
         """``n`` held-out first prompts as token ids (the start-up sampling check)."""
-        ...
-
-
-class LaunchedSource(RolloutSource, Protocol):
-    """A source whose generation can start ahead of its step (one step off-policy: grpo/pipeline.py). A multi-turn
-    source is not one: its config is refused with ``grpo.max_staleness=1`` at load."""
-
-    def submit(self, request: Request) -> Any:
-        """The generation started: ``result()``, ``done()`` and ``launched_at``."""
         ...
 
 

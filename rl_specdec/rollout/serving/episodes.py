@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from rl_specdec.errors import PrefixSpliceError
+from rl_specdec.rollout.interfaces import GenerationOutput
 from rl_specdec.tasks.base import Environment, EnvStep
 
 
@@ -49,6 +50,32 @@ class EpisodeResult:
     @property
     def model_tokens(self) -> int:
         return sum(len(t.ids) for t in self.turns)
+
+
+@dataclass
+class EpisodeOutput(GenerationOutput):
+    """A step's episodes as one generation's output: per episode, the model's tokens of all its turns (their
+    lengths and log-probs), the last turn's finish reason, and when the episode ended."""
+
+    episodes: list[EpisodeResult] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, xs: list[EpisodeResult], seconds: float, spec: dict[str, Any]) -> "EpisodeOutput":
+        return cls(
+            token_ids=[[i for t in x.turns for i in t.ids] for x in xs],
+            logprobs=[[lp for t in x.turns for lp in t.logprobs] for x in xs],
+            finish_reasons=[x.turns[-1].finish_reason for x in xs],
+            per_engine_time_s=[seconds],
+            finish_time_s=[x.done_s for x in xs],
+            spec_counters=spec,
+            episodes=xs,
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EpisodeOutput":
+        """The output that ``dataclasses.asdict`` gave ``d`` (a checkpoint's rollouts.json), episodes and all."""
+        xs = [EpisodeResult(**{**x, "turns": [Turn(**t) for t in x["turns"]]}) for x in d["episodes"]]
+        return cls(**{**d, "episodes": xs})
 
 
 def check_splice(prompts: list[list[int]], turns: list[Turn], prompt: list[int]) -> None:
