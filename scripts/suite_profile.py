@@ -30,6 +30,7 @@ KINDS = (  # (kind, substring of the command line), the first match wins
     ("ray gcs", "gcs_server"),
     ("ray raylet", "raylet"),
     ("ray other", "/ray/"),
+    ("pytest worker", "[pytest-xdist"),  # xdist sets a worker's title to "[pytest-xdist running] <test>"
     ("pytest worker", "-c from xdist"),
     ("pytest worker", "execnet"),
     ("grpo driver", "run_grpo"),
