@@ -56,11 +56,14 @@ def _rows(log_dir: Path) -> list[dict]:
 
 
 def test_agent_episodes_train_through_the_server_with_speculation_one_step_off_policy(tool_toy, tmp_path):
-    """Step 2's episodes play while step 1 trains (``grpo.max_staleness=1``), and checkpoint 1 carries them."""
+    """Step 2's episodes play while step 1 trains (``grpo.max_staleness=1``), and checkpoint 1 carries them; the
+    draft model distils on every model turn's top-k log-probs the servers returned, and each of its refits into
+    the async engine is verified."""
     from rl_specdec.grpo.rollouts import load_rollouts
     from rl_specdec.rollout.serving.episodes import EpisodeOutput
 
-    _train("agent_spec.yaml", tmp_path, "grpo.max_steps=2", "grpo.max_staleness=1")
+    online = "policy.generation.drafter_training.enabled=true"
+    _train("agent_spec.yaml", tmp_path, "grpo.max_steps=2", "grpo.max_staleness=1", online)
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["train/staleness"] for r in rows[1:]] == [0.0, 1.0]
@@ -70,6 +73,10 @@ def test_agent_episodes_train_through_the_server_with_speculation_one_step_off_p
     carried = load_rollouts(tmp_path / "checkpoints/step_000001")
     assert isinstance(carried.out, EpisodeOutput) and carried.step == 1 and set(carried.versions) == {0}
     assert len(carried.out.episodes) == 16 and all(x.turns for x in carried.out.episodes)
+    assert all(len(t.top_logprobs) == len(t.ids) for x in carried.out.episodes for t in x.turns)
+    assert [r["drafter/version"] for r in rows[1:]] == [1.0, 2.0]
+    assert (tmp_path / "checkpoints/step_000002/drafter").is_dir()
+    assert all(r["drafter/loss"] > 0 and r["drafter/kl"] >= 0 for r in rows[1:])
     assert "val/accuracy" in rows[0] and "val/accuracy" in rows[2] and rows[0]["self_check/p_value"] > 0
     for r in rows[1:]:
         missing = [k for k in EPISODE_KEYS if k not in r]

@@ -5,6 +5,7 @@ multi-turn task. The episodes through the real server and the real client are in
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from rl_specdec.rollout.serving.episodes import EpisodeOutput, EpisodeResult, Tu
 from rl_specdec.tasks.lookup import Episode, LookupTask
 
 TABLE = (("a", "482"), ("b", "555"))
+AGENT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "agent_spec.yaml"
 
 
 def call(key: str) -> dict:
@@ -71,7 +73,13 @@ class ScriptedClient:
         msg = {"role": "assistant", "content": extra.get("content"), "tool_calls": extra.get("tool_calls")}
         msg.update(prompt_token_ids=prompt, generation_token_ids=ids, generation_log_probs=[-0.1] * len(ids))
         message = SimpleNamespace(to_dict=lambda: dict(msg))
-        return SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason=extra.get("finish", "stop"))])
+        logprobs = None
+        if request.get("top_logprobs"):  # the server's shape with return_tokens_as_token_ids: "token_id:N"
+            top = lambda i: [SimpleNamespace(token=f"token_id:{i + d}", logprob=-0.1 * (d + 1)) for d in (0, 1)]  # noqa: E731
+            content = [SimpleNamespace(token=f"token_id:{i}", top_logprobs=top(i)) for i in ids]
+            logprobs = SimpleNamespace(content=content)
+        choice = SimpleNamespace(message=message, finish_reason=extra.get("finish", "stop"), logprobs=logprobs)
+        return SimpleNamespace(choices=[choice])
 
 
 def play(script, **kw):
@@ -93,6 +101,33 @@ def test_an_episode_is_the_last_prompt_with_each_model_turn_as_a_span():
     Trajectory(x.token_ids, [(t.start, t.ids, t.logprobs) for t in x.turns]).check()
     assert [r["seed"] for r in client.requests] == [10, 11] and [r["max_tokens"] for r in client.requests] == [48, 8]
     assert client.requests[1]["messages"][-1] == {"role": "tool", "tool_call_id": "c1", "content": "482"}
+
+
+TWO_TURNS = [
+    ([1, 2], [5, 6, 0], {"tool_calls": [call("a")], "finish": "tool_calls"}),
+    ([1, 2, 5, 6, 0, 9], [4, 8, 2, 0], {"content": "482"}),
+]
+
+
+def test_a_drafter_distils_on_each_model_turn_and_never_on_a_tool_result():
+    """With top_logprobs each turn keeps the policy's top-k keyed by token id, and the drafter's batch targets
+    exactly the positions that predict a model token: the tool result (id 9 at 5) and the prompt are context."""
+    from rl_specdec.drafter.trainer import distill_batch
+
+    client, x = play(list(TWO_TURNS), top_logprobs=2)
+    assert all(r["logprobs"] is True and r["top_logprobs"] == 2 for r in client.requests)
+    assert all(r["extra_body"] == {"return_tokens_as_token_ids": True} for r in client.requests)
+    assert x.turns[1].top_logprobs[0] == {4: pytest.approx(-0.1), 5: pytest.approx(-0.2)}
+    out = EpisodeOutput.of([x], 1.0, {})
+    assert out.top_logprobs == [[d for t in x.turns for d in t.top_logprobs]]
+    batch = distill_batch(out.distill_spans([]), top_k=2, pad_id=0)
+    predicts = [i + 1 for i in batch["mask"][0].nonzero().flatten().tolist()]
+    assert predicts == [2, 3, 4, 6, 7, 8, 9]  # ids 5 6 0 and 4 8 2 0; never 9, the tool's
+    assert batch["top_ids"][0, 5].tolist() == [4, 5] and batch["input_ids"][0].tolist() == x.token_ids
+    plain_client, plain = play(list(TWO_TURNS))  # no drafter learning: the requests ask for no top-k
+    assert plain.turns[0].top_logprobs is None and all("top_logprobs" not in r for r in plain_client.requests)
+    assert all(r["extra_body"] is None for r in plain_client.requests)
+    assert EpisodeOutput.of([plain], 1.0, {}).top_logprobs is None
 
 
 def test_a_prompt_that_drops_the_models_tokens_stops_the_episode():
@@ -135,15 +170,18 @@ def test_a_checkpoint_carries_a_steps_episodes_exactly(tmp_path):
     were; the step they were played for trains on them, and a step of another size does not."""
     from rl_specdec.grpo.rollouts import Rollouts, load_rollouts, save_rollouts, unusable
 
+    tops = lambda n: [{7: -0.5, 1000 + i: -1.5} for i in range(n)]  # noqa: E731  the drafter's targets, by id
+    first = Turn(2, [1, 2, 3], [-0.5, -0.25, 0.0], "tool_calls", 1, tops(3))
     xs = [
-        result([Turn(2, [1, 2, 3], [-0.5, -0.25, 0.0], "tool_calls", 1), turn(7, [4])], 8, 1.0, called=1.0),
-        result([turn(2, [5, 6])], 4, 0.0, called=0.0),
+        result([first, Turn(7, [4], [0.0], "stop", 0, tops(1))], 8, 1.0, called=1.0),
+        result([Turn(2, [5, 6], [0.0, 0.0], "stop", 0, tops(2))], 4, 0.0, called=0.0),
     ]
     ro = Rollouts(3, [], EpisodeOutput.of(xs, 2.5, {DRAFTS: 4.0, PER_POS: [3.0, 1.0]}), [2, 2])
     save_rollouts(tmp_path, ro)
     back = load_rollouts(tmp_path)
     assert back == ro and isinstance(back.out, EpisodeOutput) and isinstance(back.out.episodes[0].turns[0], Turn)
-    assert unusable(back, 3, 1, [], False, n=2) is None
+    assert back.out.episodes[0].turns[0].top_logprobs[2] == {7: -0.5, 1002: -1.5}  # int ids, as played
+    assert unusable(back, 3, 1, [], True, n=2) is None
     assert "prompts are not this step's" in unusable(back, 3, 1, [], False, n=4)
 
 
@@ -175,19 +213,24 @@ def test_counter_deltas_never_go_backwards():
     ("override", "words"),
     [
         ("policy.generation.server=null", "set policy.generation.server"),
-        ("policy.generation.drafter_training.enabled=true", "drafter_training.enabled=false"),
         ("task.max_turns=-1", "task.max_turns"),
         ("task.max_episode_tokens=0", "task.max_episode_tokens"),
     ],
 )
 def test_a_multi_turn_config_is_checked_at_load(override, words):
-    from pathlib import Path
-
     from rl_specdec.config import load_config
 
-    config = Path(__file__).resolve().parents[1] / "configs" / "agent_spec.yaml"
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
-        load_config(config, [override])
+        load_config(AGENT_CONFIG, override.split())
+
+
+def test_a_draft_model_learns_on_episodes_and_a_head_is_refused_naming_the_fix():
+    from rl_specdec.config import load_config
+
+    online, spec = "policy.generation.drafter_training.enabled=true", "policy.generation.vllm_kwargs.speculative_config"
+    assert load_config(AGENT_CONFIG, [online]).policy.generation.drafter_training.enabled
+    with pytest.raises(ConfigError, match="EAGLE-3 head does not train on episodes.*method: draft_model"):
+        load_config(AGENT_CONFIG, [online, f"{spec}.method=eagle3", f"{spec}.model=toy:eagle3"])
 
 
 class TwoEngines:

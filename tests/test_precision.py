@@ -189,7 +189,8 @@ def test_drafter_trainer_follows_the_precision(toy, tokenizer):
         [{int(t): float(-torch.rand(1, generator=g)) for t in torch.randint(0, 12, (4,), generator=g)} for _ in r]
         for r in responses
     ]
-    batch = distill_batch(prompts, responses, top, top_k=4, pad_id=tokenizer.pad_token_id)
+    seqs = [(p + r, [(len(p), ts)]) for p, r, ts in zip(prompts, responses, top)]
+    batch = distill_batch(seqs, top_k=4, pad_id=tokenizer.pad_token_id)
     t = DrafterTrainer(str(toy.drafter), DrafterTrainingConfig(), precision="bf16-mixed", num_threads=1)
     seen = set()
     hooks = [

@@ -131,8 +131,8 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 def validate_episodes(cfg: RunConfig, task_cls) -> None:
-    """A multi-turn task plays its episodes through the engines' OpenAI servers, with no drafter trained on
-    them; a server's own settings are checked for any task."""
+    """A multi-turn task plays its episodes through the engines' OpenAI servers; a draft model may learn from
+    them, an EAGLE-3 head not yet. A server's own settings are checked for any task."""
     from rl_specdec.tasks import is_episodic
 
     gen = cfg.policy.generation
@@ -148,10 +148,10 @@ def validate_episodes(cfg: RunConfig, task_cls) -> None:
             f"{name} is multi-turn: its episodes run through the engines' OpenAI servers; set "
             "policy.generation.server (e.g. {tool_call_parser: hermes, enable_auto_tool_choice: true})"
         )
-    if gen.drafter_training.enabled:
+    if gen.drafter_training.enabled and gen.speculation is not None and gen.speculation.is_head:
         raise ConfigError(
-            f"{name} is multi-turn, and no drafter trains on episodes yet: set "
-            "policy.generation.drafter_training.enabled=false"
+            f"{name} is multi-turn, and an EAGLE-3 head does not train on episodes yet (a draft model does): set "
+            "policy.generation.drafter_training.enabled=false, or speculate with method: draft_model"
         )
 
 

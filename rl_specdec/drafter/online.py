@@ -57,9 +57,9 @@ class DraftModelDrafter:
     def begin(self, step: int, prompt_ids: list[list[int]], out: GenerationOutput, pad_id: int) -> None:
         from rl_specdec.drafter.trainer import distill_batch
 
-        idx = drafter_subset(len(prompt_ids), self.training.max_sequences, step)
-        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-        self._batch = distill_batch(pick(prompt_ids), pick(out.token_ids), pick(out.top_logprobs), self.top_k, pad_id)
+        sequences = out.distill_spans(prompt_ids)  # [N] (ids, spans): a prompt's rollout, or an episode
+        idx = drafter_subset(len(sequences), self.training.max_sequences, step)
+        self._batch = distill_batch([sequences[i] for i in idx], self.top_k, pad_id)
         if self.training.overlap:
             self.trainer.train(self._batch)
 

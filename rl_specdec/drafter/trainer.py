@@ -36,32 +36,31 @@ from rl_specdec.policy import precision as prec
 
 
 def distill_batch(
-    prompt_ids: list[list[int]],
-    token_ids: list[list[int]],
-    top_logprobs: list[list[dict[int, float]]],
-    top_k: int,
-    pad_id: int,
+    sequences: list[tuple[list[int], list[tuple[int, list[dict[int, float]]]]]], top_k: int, pad_id: int
 ) -> dict[str, torch.Tensor]:
-    """Right-padded sequences and, at each generated position, the policy's top-k ids and log-probs.
+    """Right-padded sequences and, at each position that predicts a generated token, the policy's top-k ids and
+    log-probs.
 
-    ``top_logprobs[i][t]`` is vLLM's dict for generated token t of sample i (it may
-    also hold the sampled token when that fell outside the top k).
+    ``sequences[i]``: sample i's token ids and its spans of generated tokens, each ``(start, tops)``: ``tops[j]``
+    is vLLM's dict for token ``start + j`` (it may also hold the sampled token when that fell outside the top k).
+    A single-turn rollout is one span after its prompt; an episode has one per model turn.
     """
-    n, t = len(prompt_ids), max(len(p) + len(r) for p, r in zip(prompt_ids, token_ids))
+    n, t = len(sequences), max(len(ids) for ids, _ in sequences)
     input_ids = torch.full((n, t), pad_id, dtype=torch.long)  # [N, T]
     attention_mask = torch.zeros((n, t), dtype=torch.long)  # [N, T]
     mask = torch.zeros((n, t - 1))  # [N, T-1]  1 where position t predicts a generated token
     top_ids = torch.zeros((n, t - 1, top_k), dtype=torch.long)  # [N, T-1, K]
     top_lp = torch.full((n, t - 1, top_k), -1e9)  # [N, T-1, K]
-    for i, (p, r, steps) in enumerate(zip(prompt_ids, token_ids, top_logprobs)):
-        input_ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        attention_mask[i, : len(p) + len(r)] = 1
-        for j, step in enumerate(steps[: len(r)]):
-            ranked = sorted(step.items(), key=lambda kv: -kv[1])[:top_k]
-            pos = len(p) - 1 + j
-            mask[i, pos] = 1
-            top_ids[i, pos, : len(ranked)] = torch.tensor([k for k, _ in ranked])
-            top_lp[i, pos, : len(ranked)] = torch.tensor([v for _, v in ranked])
+    for i, (ids, spans) in enumerate(sequences):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention_mask[i, : len(ids)] = 1
+        for start, tops in spans:
+            for j, step in enumerate(tops[: len(ids) - start]):
+                ranked = sorted(step.items(), key=lambda kv: -kv[1])[:top_k]
+                pos = start - 1 + j  # the position whose next token is start + j
+                mask[i, pos] = 1
+                top_ids[i, pos, : len(ranked)] = torch.tensor([k for k, _ in ranked])
+                top_lp[i, pos, : len(ranked)] = torch.tensor([v for _, v in ranked])
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,

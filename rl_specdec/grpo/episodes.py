@@ -6,6 +6,9 @@ concurrently. The server splices the model's own tokens into every later prompt,
 did, so a trajectory is the episode's token ids with each model turn's span and the engines' log-probs: the loss
 covers the model's tokens only, never a tool result or a user turn. The reward is the environment's.
 
+A draft model trained online distils on every model turn, in the episode's full context: the rollouts then ask
+the servers for the policy's top-k log-probs per token (``return_tokens_as_token_ids``, keyed by id).
+
 ``spec_decode/*`` are the engines' counter deltas around the step's episodes (the servers serve nothing else
 meanwhile), so they cover every turn; ``generation/time_to_*`` time the episodes, and ``episodes/*`` describe
 them (:func:`episode_metrics`).
@@ -173,6 +176,7 @@ class EpisodeSource:
             max_tokens=gen.max_new_tokens,
             max_episode_tokens=run.cfg.task.max_episode_tokens,
             api_key=gen.server.api_key,
+            top_logprobs=sampling.logprobs,
             started=t0,
         )
 

@@ -66,8 +66,7 @@ def staleness_metrics(ro: Rollouts, trained: list[int]) -> dict[str, float]:
 def save_rollouts(folder: Path, ro: Rollouts) -> None:
     """``<folder>/rollouts.json``: everything a resumed step needs to train on them as the first run would."""
     out = dataclasses.asdict(ro.out)
-    if ro.out.top_logprobs is not None:  # JSON keys are strings: token ids go as [id, log-prob] pairs
-        out["top_logprobs"] = [[list(map(list, t.items())) for t in sample] for sample in ro.out.top_logprobs]
+    _convert_top(out, lambda tops: [list(map(list, t.items())) for t in tops])
     data = {"step": ro.step, "versions": ro.versions, "prompt_ids": ro.prompt_ids, "output": out}
     with open(folder / ROLLOUTS_FILE, "w") as f:
         json.dump(data, f)
@@ -81,10 +80,19 @@ def load_rollouts(folder: Path) -> Rollouts | None:
         return None
     data: dict[str, Any] = json.loads((folder / ROLLOUTS_FILE).read_text())
     out = data["output"]
-    if out["top_logprobs"] is not None:
-        out["top_logprobs"] = [[{int(k): v for k, v in t} for t in sample] for sample in out["top_logprobs"]]
+    _convert_top(out, lambda tops: [{int(k): v for k, v in t} for t in tops])
     output = EpisodeOutput.from_dict(out) if "episodes" in out else GenerationOutput(**out)
     return Rollouts(data["step"], data["prompt_ids"], output, data["versions"])
+
+
+def _convert_top(out: dict[str, Any], convert) -> None:
+    """Each list of top-k dicts in an output's dict, samples' and episode turns', through ``convert``: JSON keys
+    are strings, so token ids travel as [id, log-prob] pairs."""
+    if out.get("top_logprobs") is not None:
+        out["top_logprobs"] = [convert(sample) for sample in out["top_logprobs"]]
+    for turn in (t for x in out.get("episodes", []) for t in x["turns"]):
+        if turn.get("top_logprobs") is not None:
+            turn["top_logprobs"] = convert(turn["top_logprobs"])
 
 
 def _merged(spans: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:

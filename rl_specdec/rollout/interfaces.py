@@ -98,6 +98,12 @@ class GenerationOutput:
         times = sorted(self.finish_time_s)
         return times[max(math.ceil(fraction * len(times)) - 1, 0)]
 
+    def distill_spans(self, prompt_ids: list[list[int]]) -> list[tuple[list[int], list[tuple[int, list]]]]:
+        """Per sample, what a drafter distils on: its token ids and the spans of generated tokens, each
+        ``(start, top-k log-probs)``; here one span after the prompt."""
+        tops = self.top_logprobs or [[] for _ in self.token_ids]
+        return [(p + r, [(len(p), t)]) for p, r, t in zip(prompt_ids, self.token_ids, tops)]
+
     def select(self, indices: list[int]) -> "GenerationOutput":
         """The outputs at ``indices``, in that order (the counters stay the whole call's)."""
         return GenerationOutput(

@@ -35,6 +35,7 @@ class Turn:
     logprobs: list[float]
     finish_reason: str
     tool_calls: int  # tool calls vLLM's parser found in it
+    top_logprobs: list[dict[int, float]] | None = None  # per id, the policy's top-k next-token log-probs
 
 
 @dataclass
@@ -61,9 +62,11 @@ class EpisodeOutput(GenerationOutput):
 
     @classmethod
     def of(cls, xs: list[EpisodeResult], seconds: float, spec: dict[str, Any]) -> "EpisodeOutput":
+        with_top = bool(xs) and all(t.top_logprobs is not None for x in xs for t in x.turns)
         return cls(
             token_ids=[[i for t in x.turns for i in t.ids] for x in xs],
             logprobs=[[lp for t in x.turns for lp in t.logprobs] for x in xs],
+            top_logprobs=[[d for t in x.turns for d in t.top_logprobs] for x in xs] if with_top else None,
             finish_reasons=[x.turns[-1].finish_reason for x in xs],
             per_engine_time_s=[seconds],
             finish_time_s=[x.done_s for x in xs],
@@ -76,6 +79,20 @@ class EpisodeOutput(GenerationOutput):
         """The output that ``dataclasses.asdict`` gave ``d`` (a checkpoint's rollouts.json), episodes and all."""
         xs = [EpisodeResult(**{**x, "turns": [Turn(**t) for t in x["turns"]]}) for x in d["episodes"]]
         return cls(**{**d, "episodes": xs})
+
+    def distill_spans(self, prompt_ids: list[list[int]]) -> list[tuple[list[int], list[tuple[int, list]]]]:
+        """Per episode, its token ids and each model turn's (start, top-k log-probs): tool results and the
+        environment's replies are context the drafter reads, never targets."""
+        return [(x.token_ids, [(t.start, t.top_logprobs or []) for t in x.turns]) for x in self.episodes]
+
+
+def top_logprobs_of(choice) -> list[dict[int, float]]:
+    """The top-k log-probs of each generated token, keyed by token id (asked for with
+    ``return_tokens_as_token_ids``, so each token reads ``token_id:N``)."""
+    content = choice.logprobs.content if choice.logprobs is not None else None
+    if content is None:
+        raise ValueError("the server returned no log-probs: serve with rl_specdec's app (server.rl_defaults: true)")
+    return [{int(c.token.removeprefix("token_id:")): c.logprob for c in pos.top_logprobs} for pos in content]
 
 
 def check_splice(prompts: list[list[int]], turns: list[Turn], prompt: list[int]) -> None:
@@ -96,16 +113,20 @@ async def run_episode(
     client, model: str, env: Environment, *, seed: int, temperature: float, max_turns: int, max_tokens, **limits
 ) -> EpisodeResult:
     """One episode through ``client`` (an ``openai.AsyncOpenAI``); ``max_tokens``: per turn, an int or one per turn.
-    ``limits``: ``max_episode_tokens``, ``extra_body`` (turn -> request fields), ``started`` (perf_counter)."""
+    ``limits``: ``max_episode_tokens``, ``extra_body`` (turn -> request fields), ``started`` (perf_counter),
+    ``top_logprobs`` (K > 0: each turn keeps the policy's top-K log-probs per token, for a drafter to learn)."""
     messages, tools = env.reset()
     prompts: list[list[int]] = []
     turns: list[Turn] = []
     step = EnvStep([], 0.0, False)
     for t in range(max_turns):
         budget = max_tokens if isinstance(max_tokens, int) else max_tokens[min(t, len(max_tokens) - 1)]
-        extra = limits.get("extra_body")
+        extra, top = limits.get("extra_body"), limits.get("top_logprobs", 0)
+        body = {**(extra(t) if extra else {}), **({"return_tokens_as_token_ids": True} if top else {})}
         request = {"model": model, "messages": messages, "temperature": temperature, "seed": seed + t}
-        request.update(max_tokens=budget, extra_body=extra(t) if extra else None, **({"tools": tools} if tools else {}))
+        request.update(max_tokens=budget, extra_body=body or None, **({"tools": tools} if tools else {}))
+        if top:
+            request.update(logprobs=True, top_logprobs=top)
         r = await client.chat.completions.create(**request)
         choice = r.choices[0]
         msg = choice.message.to_dict()  # keeps prompt_token_ids / generation_token_ids / generation_log_probs
@@ -113,7 +134,8 @@ async def run_episode(
         check_splice(prompts, turns, prompt)
         prompts.append(prompt)
         calls = len(msg.get("tool_calls") or [])
-        turns.append(Turn(len(prompt), ids, msg["generation_log_probs"], choice.finish_reason, calls))
+        tops = top_logprobs_of(choice) if top else None
+        turns.append(Turn(len(prompt), ids, msg["generation_log_probs"], choice.finish_reason, calls, tops))
         step = env.step(msg, choice.finish_reason)
         if step.done or len(prompt) + len(ids) >= limits.get("max_episode_tokens", 1 << 30):
             break
