@@ -61,7 +61,9 @@ def test_a_head_reports_each_update_once_and_a_resumed_run_keeps_its_last_versio
 
 
 def test_a_draft_model_trains_on_the_rollouts_while_the_policy_updates_or_after(tmp_path):
-    out = SimpleNamespace(token_ids=[[3, 4]], top_logprobs=[[{3: -0.1}, {4: -0.2}]])
+    from rl_specdec.rollout import GenerationOutput
+
+    out = GenerationOutput([[3, 4]], [[-0.1, -0.2]], ["stop"], top_logprobs=[[{3: -0.1}, {4: -0.2}]])
     for overlap in (True, False):
         actor = _Actor()
         training = SimpleNamespace(top_k=1, max_sequences=0, overlap=overlap)
