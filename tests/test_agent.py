@@ -300,12 +300,18 @@ def test_where_the_template_is_exact_the_spliced_prompt_is_apply_chat_template(c
 
 
 SPLICED_TOKENS = 40  # the sampled turn's first tokens: a call's key is its 36th (model_tool_call)
+# The user turn after a whole episode, in the order tried. SFT never shows the toy a third turn, so what it does
+# there depends on the build, which depends on the CPU that trained it: one build writes a call or guesses after
+# "c=", another ends the turn at once. The tools header repeated makes the turn look like an episode's first,
+# where SFT taught a choice (call, or guess a digit). The test samples the first turn on which transformers'
+# temperature 1 and 0.7 differ: a turn with no randomness could not tell the server's sampling from anything.
+SPLICE_USER_TURNS = ("c", "<tools>lookup</tools>c")
 
 
-def _spliced_turn_samples(client, n: int) -> tuple[list[int], list[list[int]]]:
-    """The third model turn of an episode, sampled ``n`` times at temperature 1 with seeds 0..n-1: turns 1 and
-    2 are forced (the call for "q", the answer), then a new user turn; its prompt is spliced by the server from
-    the model's own ids. Returns that prompt (the same for every sample) and the samples."""
+def _spliced_turn_samples(client, user: str, n: int, **sampling) -> tuple[list[int], list[list[int]]]:
+    """The third model turn of an episode, after the user turn ``user``, sampled ``n`` times with seeds 0..n-1:
+    turns 1 and 2 are forced (the call for "q", the answer), then ``user``; its prompt is spliced by the server
+    from the model's own ids. Returns that prompt (the same for every sample) and the samples."""
 
     async def main():
         async with client() as c:
@@ -318,18 +324,13 @@ def _spliced_turn_samples(client, n: int) -> tuple[list[int], list[list[int]]]:
                 msgs.append(m)
                 if turn == 0:
                     msgs.append({"role": "tool", "tool_call_id": m["tool_calls"][0]["id"], "content": "482"})
-            msgs.append({"role": "user", "content": "c"})
+            msgs.append({"role": "user", "content": user})
             gate = asyncio.Semaphore(32)
 
             async def one(seed: int):
                 async with gate:
                     return await c.chat.completions.create(
-                        model=MODEL,
-                        messages=msgs,
-                        tools=[LOOKUP_TOOL],
-                        max_tokens=SPLICED_TOKENS,
-                        temperature=1.0,
-                        seed=seed,
+                        model=MODEL, messages=msgs, tools=[LOOKUP_TOOL], seed=seed, **sampling
                     )
 
             return await asyncio.gather(*(one(i) for i in range(n)))
@@ -340,18 +341,32 @@ def _spliced_turn_samples(client, n: int) -> tuple[list[int], list[list[int]]]:
     return list(prompts.pop()), [m["generation_token_ids"] for m in msgs]
 
 
+def _a_random_spliced_turn(client, hf) -> tuple[str, list[int], list[list[int]]]:
+    """(user turn, its spliced prompt, transformers' temperature-1 samples) for the first of SPLICE_USER_TURNS
+    whose turn the negative control can see: transformers at temperature 0.7 against 1.0 is rejected there."""
+    seen = {}
+    for user in SPLICE_USER_TURNS:
+        prompt, _ = _spliced_turn_samples(client, user, 1, max_tokens=1, temperature=0.0)
+        plain = hf_samples(hf, prompt, DIST_SAMPLES, SPLICED_TOKENS, seed=2000)
+        cold = hf_samples(hf, prompt, DIST_SAMPLES, SPLICED_TOKENS, seed=2001, temperature=0.7)
+        seen[user] = position_test(plain, cold, n_pos=SPLICED_TOKENS)[0] if len(set(map(tuple, plain))) > 1 else 1.0
+        if seen[user] < 1e-4:
+            return user, prompt, plain
+    raise AssertionError(f"the test did not see temperature 0.7 against 1.0 after any user turn (adjusted p: {seen})")
+
+
 def test_a_spliced_turn_at_temperature_one_is_distributed_as_transformers_samples(client, tool_toy, tool_tok):
     """Under draft_model speculation, a model turn whose prompt the server spliced (two earlier turns of the
     model's own ids and a tool result) is distributed as transformers' plain sampling from that prompt.
     Negative control: the same test, with the same sample sizes, rejects the policy sampled at temperature 0.7."""
     from transformers import AutoModelForCausalLM
 
-    prompt, served = _spliced_turn_samples(client, DIST_SAMPLES)
-    assert tool_tok.decode(prompt).endswith("</tool_response>482<eos>c=")
     hf = AutoModelForCausalLM.from_pretrained(str(tool_toy.policy), dtype="float32").eval()
-    plain = hf_samples(hf, prompt, DIST_SAMPLES, SPLICED_TOKENS, seed=2000)
-    cold = hf_samples(hf, prompt, DIST_SAMPLES, SPLICED_TOKENS, seed=2001, temperature=0.7)
-    p_cold, per_pos_cold = position_test(plain, cold, n_pos=SPLICED_TOKENS)
-    assert p_cold < 1e-4, f"the test did not see temperature 0.7 against 1.0 (adjusted p={p_cold:.2e})"
+    user, prompt, plain = _a_random_spliced_turn(client, hf)
+    served_prompt, served = _spliced_turn_samples(
+        client, user, DIST_SAMPLES, max_tokens=SPLICED_TOKENS, temperature=1.0
+    )
+    assert served_prompt == prompt
+    assert tool_tok.decode(prompt).endswith(f"</tool_response>482<eos>{user}=")
     p, per_pos = position_test(plain, served, n_pos=SPLICED_TOKENS)
     assert p > 1e-3, f"the server's spliced turn differs from transformers' (adjusted p={p:.2e}; {per_pos})"
