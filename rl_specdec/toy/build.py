@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -34,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
+
+from rl_specdec.toy.sft import pad_batch, train_lm
 
 BUILD_VERSION = 4  # bump when the build procedure changes (4: the SFT draws from the training split only)
 
@@ -224,19 +227,6 @@ def qwen2_config(
     )
 
 
-def pad_batch(seqs: list[list[int]], masks: list[list[int]], pad_id: int):
-    """Token ids [B, T] and loss masks [B, T], right-padded with ``pad_id`` / 0."""
-    import torch
-
-    t = max(map(len, seqs))
-    ids = torch.full((len(seqs), t), pad_id)
-    mask = torch.zeros((len(seqs), t))
-    for i, (s, m) in enumerate(zip(seqs, masks)):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
-    return ids, mask
-
-
 def sft_batch(rng: random.Random, cfg: ToyBuildConfig, tokenizer):
     """Token ids [B, T], a loss mask on response tokens [B, T], padded right."""
     from rl_specdec.tasks.sorting import SortingTask
@@ -252,42 +242,6 @@ def sft_batch(rng: random.Random, cfg: ToyBuildConfig, tokenizer):
     return pad_batch(seqs, masks, tokenizer.pad_token_id)
 
 
-def train_lm(model, batches, pad_id: int, lr: float, steps: int, seed: int, teacher=None, log=print):
-    """SFT (teacher=None) or distillation from ``teacher``; ``batches(rng)`` gives (ids [B, T], loss mask [B, T])."""
-    import torch
-    import torch.nn.functional as F
-
-    if steps == 0:  # an untrained model (random weights)
-        return model.eval()
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
-    model.train()
-    for step in range(steps):
-        ids, mask = batches(rng)  # [B, T], [B, T]
-        attn = (ids != pad_id) | (mask > 0)
-        logits = model(input_ids=ids, attention_mask=attn.long()).logits[:, :-1]  # [B, T-1, V]
-        m = mask[:, 1:]  # predict token t+1 from the prefix up to t
-        if teacher is None:
-            nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
-            loss = (nll * m).sum() / m.sum()
-        else:
-            with torch.no_grad():
-                t_logp = F.log_softmax(teacher(input_ids=ids, attention_mask=attn.long()).logits[:, :-1], -1)
-            s_logp = F.log_softmax(logits, -1)
-            kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)  # [B, T-1]  KL(teacher || student)
-            loss = (kl * m).sum() / m.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % 20 == 0 or step == steps - 1:
-            log(f"  step {step + 1}/{steps} loss {loss.item():.4f}")
-    model.eval()
-    return model
-
-
 def build_toy_models(cfg: ToyBuildConfig | None = None, root: Path | None = None, log=print) -> ToyModels:
     """Return the toy models' folders, building them the first time (cached)."""
     return cached_pair("toy", cfg or ToyBuildConfig(), root, _build_digits, log)
@@ -298,13 +252,16 @@ def _build_digits(root: Path, cfg: ToyBuildConfig, log) -> None:
     build_pair(root, cfg, tokenizer, lambda rng: sft_batch(rng, cfg, tokenizer), log)
 
 
-def build_pair(root: Path, cfg: PairBuildConfig, tokenizer, batches, log=print, model_config=None, check=None) -> None:
+def build_pair(
+    root: Path, cfg: PairBuildConfig, tokenizer, batches, log=print, model_config=None, check=None, groups: int = 1
+) -> None:
     """Train a policy (SFT) and a drafter (distilled from it) on ``batches(rng)`` and save both into ``root``.
 
     ``cfg`` gives the shapes, steps, learning rate and seed; it is saved as ``build.json``.
     ``model_config(shape)`` gives each model's Qwen2 config (default: the digit toy's
     vocabulary). The folder is written under a temporary name and renamed into place;
-    ``check(folder)`` runs on each saved model folder before that.
+    ``check(folder)`` runs on each saved model folder before that. Both models train on each batch in ``groups``
+    groups of rows of like length (:func:`rl_specdec.toy.sft.length_groups`).
     """
     import torch
     from transformers import Qwen2ForCausalLM
@@ -315,15 +272,15 @@ def build_pair(root: Path, cfg: PairBuildConfig, tokenizer, batches, log=print, 
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
+        # the policy trains, then the drafter distils from it, on the same batches with the same settings
+        train = functools.partial(train_lm, batches=batches, pad_id=tokenizer.pad_token_id, lr=cfg.lr, log=log)
         policy = Qwen2ForCausalLM(model_config(cfg.policy))
         log(f"[toy] policy: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M parameters, SFT")
-        train_lm(policy, batches, tokenizer.pad_token_id, cfg.lr, cfg.policy_steps, cfg.seed, log=log)
+        train(policy, steps=cfg.policy_steps, seed=cfg.seed, groups=groups)
         torch.manual_seed(cfg.seed + 1)
         drafter = Qwen2ForCausalLM(model_config(cfg.drafter))
         log(f"[toy] drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, distilled")
-        train_lm(
-            drafter, batches, tokenizer.pad_token_id, cfg.lr, cfg.drafter_steps, cfg.seed + 1, teacher=policy, log=log
-        )
+        train(drafter, steps=cfg.drafter_steps, seed=cfg.seed + 1, teacher=policy, groups=groups)
     finally:
         torch.set_num_threads(threads)
 

@@ -13,7 +13,9 @@ drawn from the task's Pareto law. So that a step does not pad every example to
 the longest one, three batches in four cut their examples after
 :data:`SHORT_TOKENS` tokens (the loss sees the budget token and the start of
 the countdown, which is all the budget law needs); the fourth keeps them whole,
-which teaches the long countdowns and the answer after them at far positions.
+which teaches the long countdowns and the answer after them at far positions. Each batch is computed in
+:attr:`LongTailToyConfig.length_groups` groups of rows of like length, so that the whole batches do not pad every
+row to their rare long one (the same gradient on 46% of the positions: :mod:`rl_specdec.toy.sft`).
 
 Built and cached like the digit toy (:mod:`rl_specdec.toy.build`), under its
 own key, on first use only: ``toy:longtail-policy`` and ``toy:longtail-drafter``.
@@ -28,6 +30,7 @@ from typing import ClassVar
 
 from rl_specdec.toy import build
 from rl_specdec.toy.build import EOS, PAD, ModelShape, PairBuildConfig, ToyModels
+from rl_specdec.toy.sft import pad_batch
 
 LONGTAIL_BUILD_VERSION = 1
 MAX_POSITIONS = 512
@@ -55,6 +58,8 @@ class LongTailToyConfig(PairBuildConfig):
     batch_size: int = 32
     min_len: int = 4
     max_len: int = 8
+    # rows of like length per group: a whole batch pads its rows to a rare ~410-token one (rl_specdec/toy/sft.py)
+    length_groups: int = 4
 
     def task(self):
         from rl_specdec.tasks.longtail import LongTailSortTask
@@ -90,7 +95,7 @@ def sft_batch(rng: random.Random, cfg: LongTailToyConfig, tokenizer, counter: li
             ids, mask = ids[:SHORT_TOKENS], mask[:SHORT_TOKENS]
         seqs.append(ids)
         masks.append(mask)
-    return build.pad_batch(seqs, masks, tokenizer.pad_token_id)
+    return pad_batch(seqs, masks, tokenizer.pad_token_id)
 
 
 def build_longtail_models(cfg: LongTailToyConfig | None = None, root: Path | None = None, log=print) -> ToyModels:
@@ -109,4 +114,5 @@ def _build(root: Path, cfg: LongTailToyConfig, log) -> None:
         lambda rng: sft_batch(rng, cfg, tokenizer, counter),
         log,
         lambda shape: build.qwen2_config(shape, vocab, eos, pad, max_positions=MAX_POSITIONS),
+        groups=cfg.length_groups,
     )

@@ -45,9 +45,9 @@ from rl_specdec.toy.build import (
     ToyModels,
     build_pair,
     cached_pair,
-    pad_batch,
     qwen2_config,
 )
+from rl_specdec.toy.sft import pad_batch
 
 TOOL_BUILD_VERSION = 2
 TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tools>", "</tools>"]

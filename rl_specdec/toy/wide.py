@@ -43,6 +43,7 @@ from pathlib import Path
 from rl_specdec.toy import build
 from rl_specdec.toy.build import ModelShape, ToyModels
 from rl_specdec.toy.longtail import LongTailToyConfig, build_longtail_models, build_longtail_tokenizer
+from rl_specdec.toy.sft import train_lm
 
 WIDE_BUILD_VERSION = 1
 
@@ -120,7 +121,7 @@ def distill_drafter(teacher, cfg: WideToyConfig, log):
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
-        build.train_lm(
+        train_lm(
             drafter,
             lambda rng: sft_batch(rng, src, tok, counter),
             tok.pad_token_id,
@@ -129,6 +130,7 @@ def distill_drafter(teacher, cfg: WideToyConfig, log):
             cfg.seed + 1,
             teacher=teacher,
             log=log,
+            groups=src.length_groups,
         )
     finally:
         torch.set_num_threads(threads)
