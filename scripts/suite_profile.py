@@ -71,6 +71,17 @@ def kind_of(cmd: str) -> str:
     return next((kind for kind, mark in KINDS if mark in cmd), "other")
 
 
+def top_titles(records, n: int = 20) -> list[dict]:
+    """The costliest process titles (a command line's first 60 characters), to tell apart what one kind lumps."""
+    by: dict[str, dict[str, float]] = defaultdict(lambda: {"processes": 0, "cpu_s": 0.0})
+    for cmdline, cpu in records:
+        t = by[cmdline[:60]]
+        t["processes"] += 1
+        t["cpu_s"] += cpu
+    rows = sorted(by.items(), key=lambda kv: -kv[1]["cpu_s"])[:n]
+    return [{"title": title, "processes": v["processes"], "cpu_s": round(v["cpu_s"], 1)} for title, v in rows]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -103,6 +114,7 @@ def main() -> int:
         k["processes"] += 1
         k["cpu_s"] += cpu
     report = {"cmd": cmd, "rc": proc.returncode, "wall_s": round(wall, 1), "by_kind": dict(by_kind)}
+    report["top_titles"] = top_titles(seen.values())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"\nprocesses started, wall {wall / 60:.1f} min:", file=sys.stderr)

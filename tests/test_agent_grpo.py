@@ -87,6 +87,10 @@ def test_agent_episodes_train_through_the_server_with_speculation_one_step_off_p
         assert r["episodes/turn_2_response_length_mean"] > 0
         assert 0.2 < r["episodes/model_token_share"] < 0.9  # the prompt and the tool result are not the model's
         assert r["spec_decode/num_drafts"] > 0 and r["spec_decode/acceptance_length"] >= 1.0  # every turn counts
+        # each turn's acceptance, from the servers' per-request counters: together they are the step's
+        per_turn = [r[f"spec_decode/turn_{i}_num_drafts"] for i in (1, 2) if f"spec_decode/turn_{i}_num_drafts" in r]
+        assert len(per_turn) == 2 and sum(per_turn) == r["spec_decode/num_drafts"], (per_turn, r)
+        assert all(1.0 <= r[f"spec_decode/turn_{i}_acceptance_length"] <= 4.0 for i in (1, 2))
 
 
 class KillMidEpisodes:

@@ -274,3 +274,28 @@ def test_episodes_are_paired_at_the_source_every_variant_plays_the_same_request(
     assert [set(c) for c in calls] == [{"none", "spec"}] * 2 and calls[0]["spec"]["tokens"] == 10
     assert calls[0]["spec"]["counters"] == {"n": 5}
     assert paired.held_out(8, None) == "none"  # validation and the rest: the trained source's
+
+
+def test_episodes_report_the_acceptance_length_of_each_turn():
+    """A source's output of episodes: each call's record keeps each turn's counters, and the table gives each
+    turn's acceptance length after the step's (a single-turn call has none, and no turns are shown)."""
+    from benchmarks.grpo.paired import time_each
+    from benchmarks.grpo.paired_account import table
+    from rl_specdec.metrics.counters import ACCEPTED, DRAFT_TOKENS, DRAFTS
+    from rl_specdec.rollout.serving.episodes import EpisodeOutput, EpisodeResult, Turn
+
+    def c(drafts, accepted):
+        return {DRAFTS: drafts, DRAFT_TOKENS: 3 * drafts, ACCEPTED: accepted}
+
+    def episode(*turns):
+        return EpisodeResult([1], [Turn(0, [1], [0.0], "stop", 0, None, t) for t in turns], [], 1.0, True, {}, 1.0)
+
+    xs = [episode(c(4, 8), c(2, 1)), episode(c(4, 4))]
+    outs = {"none": SimpleNamespace(token_ids=[[1]], spec_counters={}), "spec": EpisodeOutput.of(xs, 1.0, c(10, 13))}
+    calls = []
+    time_each(calls, ["none", "spec"], "none", lambda name: outs[name])
+    assert calls[0]["spec"]["turn_counters"] == [c(8, 12), c(2, 1)] and calls[0]["none"]["turn_counters"] == []
+    calls[0]["none"]["s"], calls[0]["spec"]["s"] = 2.0, 1.0  # as timed, without a clock's luck
+    (s,) = summarise({0: step_rows(calls, [10.0], [0.0], "none")}, ["none", "spec"])
+    assert s["acceptance_length"] == pytest.approx(2.3) and s["acceptance_per_turn"] == [2.5, 1.5]
+    assert "| 2.30 (turns 2.50, 1.50) |" in table([s], "none")

@@ -13,7 +13,7 @@ import pytest
 from rl_specdec.errors import ConfigError, PrefixSpliceError
 from rl_specdec.grpo.batch import Trajectory
 from rl_specdec.grpo.episodes import PendingEpisodes, episode_metrics
-from rl_specdec.metrics.counters import ACCEPTED, DRAFTS, PER_POS, counters_delta
+from rl_specdec.metrics.counters import ACCEPTED, DRAFT_TOKENS, DRAFTS, PER_POS, counters_delta
 from rl_specdec.rollout.serving.episodes import EpisodeOutput, EpisodeResult, Turn, check_splice, run_episode
 from rl_specdec.tasks.lookup import Episode, LookupTask
 
@@ -79,7 +79,7 @@ class ScriptedClient:
             content = [SimpleNamespace(token=f"token_id:{i}", top_logprobs=top(i)) for i in ids]
             logprobs = SimpleNamespace(content=content)
         choice = SimpleNamespace(message=message, finish_reason=extra.get("finish", "stop"), logprobs=logprobs)
-        return SimpleNamespace(choices=[choice])
+        return SimpleNamespace(choices=[choice], model_extra={"metrics": extra.get("metrics")})
 
 
 def play(script, **kw):
@@ -150,6 +150,46 @@ def test_the_bounds_end_an_episode_with_its_last_reward():
 
 def result(turns: list[Turn], length: int, reward: float, **info) -> EpisodeResult:
     return EpisodeResult(list(range(length)), turns, [], reward, reward > 0, info, 1.0)
+
+
+def test_a_turn_keeps_its_own_spec_decode_counters_from_the_servers_response():
+    """vLLM's chat response (a real ``openai`` ChatCompletion, parsed as the client parses the server's JSON)
+    carries the request's acceptance histogram under ``metrics.speculative_decoding``; each turn keeps it, and the
+    step reports each turn's acceptance from them. A response without it (no speculation) gives no keys."""
+    from openai.types.chat import ChatCompletion
+
+    from rl_specdec.rollout.serving.episodes import turn_counters
+
+    body = {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": []}
+    spec = {
+        "mean_acceptance_length": 2.5,
+        "draft_acceptance_rate": 0.5,
+        "acceptance_histogram": [1, 0, 1, 2],
+        "num_spec_steps": 4,
+        "num_accepted_draft_tokens": 8,
+        "num_draft_tokens": 12,
+        "num_spec_tokens": 3,
+    }
+    got = turn_counters(ChatCompletion.model_validate({**body, "metrics": {"speculative_decoding": spec}}))
+    assert got == {DRAFTS: 4.0, DRAFT_TOKENS: 12.0, ACCEPTED: 8.0, PER_POS: [3.0, 3.0, 2.0]}
+    assert turn_counters(ChatCompletion.model_validate(body)) is None
+
+    first = {"tool_calls": [call("a")], "finish": "tool_calls", "metrics": {"speculative_decoding": spec}}
+    spec2 = {**spec, "acceptance_histogram": [2, 0, 0, 0], "num_spec_steps": 2, "num_draft_tokens": 6}
+    _, x = play(
+        [
+            ([1, 2], [5, 6, 0], first),
+            ([1, 2, 5, 6, 0, 9], [4, 0], {"content": "482", "metrics": {"speculative_decoding": spec2}}),
+        ]
+    )
+    assert x.turns[0].spec_counters == got and x.turns[1].spec_counters[ACCEPTED] == 0.0
+    m = episode_metrics([x, x])
+    assert m["spec_decode/turn_1_num_drafts"] == 8.0 and m["spec_decode/turn_1_acceptance_length"] == 3.0
+    assert m["spec_decode/turn_1_acceptance_rate"] == pytest.approx(8 / 12)
+    assert m["spec_decode/turn_2_acceptance_length"] == 1.0 and m["spec_decode/turn_2_num_drafts"] == 4.0
+    _, plain = play([([1, 2], [5, 6, 0], {"tool_calls": [call("a")], "finish": "tool_calls"})], max_turns=1)
+    assert plain.turns[0].spec_counters is None
+    assert not any(k.startswith("spec_decode/") for k in episode_metrics([plain]))
 
 
 def test_the_step_metrics_of_its_episodes():

@@ -173,11 +173,19 @@ def assert_resumes_exactly(stopped: Path, resume: str, full: Path, stop_step: in
 
 
 @pytest.fixture(scope="module")
-def full(tmp_path_factory) -> Path:
+def uninterrupted(tmp_path_factory) -> tuple[Path, Run]:
+    """The run the stopped ones must end as, and the full-disk test's run: its step-4 checkpoint cannot be written
+    and ``checkpoint.on_error=warn`` trains on. A failed write changes no rollout, loss or weight, so one run is
+    both (a GRPO run's start is most of its 30 s)."""
     d = tmp_path_factory.mktemp("uninterrupted")
-    run = grpo(d, NO_WANDB)
+    run = grpo(d, NO_WANDB, "checkpoint.every=2", "checkpoint.on_error=warn", env={"RL_SPECDEC_TEST_DISK_FULL": "4"})
     assert run.finish() == 0, run.output
-    return d
+    return d, run
+
+
+@pytest.fixture(scope="module")
+def full(uninterrupted) -> Path:
+    return uninterrupted[0]
 
 
 @pytest.mark.integration
@@ -321,14 +329,11 @@ def test_a_full_disk_keeps_the_checkpoints_and_stops_naming_the_folder(tmp_path)
 
 
 @pytest.mark.integration
-def test_a_full_disk_with_on_error_warn_trains_on(tmp_path):
-    run = grpo(
-        tmp_path, NO_WANDB, "checkpoint.every=2", "checkpoint.on_error=warn", env={"RL_SPECDEC_TEST_DISK_FULL": "4"}
-    )
-    assert run.finish() == 0, run.output
+def test_a_full_disk_with_on_error_warn_trains_on(uninterrupted):
+    log_dir, run = uninterrupted
     assert "Training goes on without it (checkpoint.on_error=warn)" in run.output, run.output
-    assert [r["step"] for r in rows(tmp_path)] == [1, 2, 3, 4, 5]
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000005"]
+    assert [r["step"] for r in rows(log_dir)] == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in (log_dir / "checkpoints").iterdir()) == ["step_000002", "step_000005"]
 
 
 @pytest.mark.integration

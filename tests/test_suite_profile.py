@@ -23,3 +23,8 @@ def test_a_process_is_named_by_its_title():
     assert kind_of("ray::AsyncVllmWorker") == "engine actor"
     assert kind_of("ray::PolicyWorker.train_step") == "policy worker"
     assert kind_of("/usr/bin/python -m pip install .") == "other"
+
+
+def test_the_costliest_titles_are_summed_across_processes():
+    rows = _profile().top_titles([("ray::IDLE", 2.0), ("ray::IDLE", 1.5), ("ray::PolicyWorker", 3.0)], n=1)
+    assert rows == [{"title": "ray::IDLE", "processes": 2, "cpu_s": 3.5}]

@@ -26,7 +26,7 @@ and, per step, the trained run's rollout lengths (median, p90, max): how much of
 A multi-turn task's episodes reach the engines over HTTP, which no group call sees, so they are paired at the
 rollout source instead (:class:`PairedSource`): every variant's own source plays the step's episodes (the same
 episodes and seeds) on its own engines, each serving its config's server. Their counters cover every turn of the
-step; acceptance is not split by turn.
+step, and each turn's own counters (from the servers' responses) give the acceptance length per turn.
 
 ::
 
@@ -123,7 +123,9 @@ class PairedGeneration:
 
 def time_each(calls: list[dict], names: list[str], trained_name: str, generate) -> Any:
     """``generate(name)`` for every variant, timed, in an order that rotates with the calls so far; the record
-    (variant -> {s, tokens, counters}) appended to ``calls``; the trained variant's output returned."""
+    (variant -> {s, tokens, counters, turn_counters}) appended to ``calls``; the trained variant's output returned."""
+    from rl_specdec.rollout.serving.episodes import EpisodeOutput, per_turn_counters
+
     shift = len(calls) % len(names)
     record, out = {}, None
     for name in names[shift:] + names[:shift]:
@@ -133,6 +135,7 @@ def time_each(calls: list[dict], names: list[str], trained_name: str, generate) 
             "s": time.perf_counter() - t0,
             "tokens": sum(len(ids) for ids in res.token_ids),
             "counters": res.spec_counters,
+            "turn_counters": per_turn_counters(res.episodes) if isinstance(res, EpisodeOutput) else [],
         }
         out = res if name == trained_name else out
     calls.append(record)

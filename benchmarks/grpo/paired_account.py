@@ -85,15 +85,26 @@ def trained_drafter(row: dict) -> float:
     return sum(v["drafter_s"] for v in row.values() if isinstance(v, dict) and "drafter_s" in v)
 
 
-def acceptance_length(rows: list[dict], name: str) -> float | None:
+def _length(counter_dicts) -> float | None:
     from benchmarks.rollout.batch_sweep import add_counter
     from rl_specdec.metrics import compute_spec_decode_metrics
 
     counters: dict = {}
-    for r in rows:
-        for key, v in r[name]["counters"].items():
+    for c in counter_dicts:
+        for key, v in c.items():
             counters[key] = add_counter(counters.get(key), v)
     return compute_spec_decode_metrics(None, counters).get("spec_decode/acceptance_length") if counters else None
+
+
+def acceptance_length(rows: list[dict], name: str) -> float | None:
+    return _length(r[name]["counters"] for r in rows)
+
+
+def acceptance_per_turn(rows: list[dict], name: str) -> list[float | None]:
+    """The acceptance length of each turn index over the rows (episodes: each turn's own counters; [] else)."""
+    n = max((len(r[name].get("turn_counters", [])) for r in rows), default=0)
+    per_row = [r[name].get("turn_counters", []) for r in rows]
+    return [_length(turns[i] for turns in per_row if len(turns) > i) for i in range(n)]
 
 
 def summarise(rows_by_seed: dict[int, list[dict]], names: list[str]) -> list[dict]:
@@ -112,6 +123,7 @@ def summarise(rows_by_seed: dict[int, list[dict]], names: list[str]) -> list[dic
                 "step_per_step": interval([step_s(r, base) / step_s(r, n) for r in rows]),
                 "tokens": (sum(r[base]["tokens"] for r in rows), sum(r[n]["tokens"] for r in rows)),
                 "acceptance_length": acceptance_length(rows, n),
+                "acceptance_per_turn": acceptance_per_turn(rows, n),
             }
         )
     return out
@@ -127,6 +139,8 @@ def table(summary: list[dict], base: str) -> str:
         g, st = s["generation_per_step"], s["step_per_step"]
         seeds = ", ".join(f"{v:.2f}x" for v in s["generation_per_seed"].values())
         acc = f"{s['acceptance_length']:.2f}" if s["acceptance_length"] else "–"
+        if any(s.get("acceptance_per_turn") or []):  # episodes: each turn's, in order
+            acc += " (turns " + ", ".join(f"{v:.2f}" if v else "–" for v in s["acceptance_per_turn"]) + ")"
         lines.append(
             f"| {s['variant']} | **{s['generation']:.2f}x** | {g[0]:.2f}x ({g[1]:.2f}-{g[2]:.2f}) | {seeds} "
             f"| **{s['step']:.2f}x** | {st[0]:.2f}x ({st[1]:.2f}-{st[2]:.2f}) "

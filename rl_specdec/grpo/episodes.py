@@ -32,10 +32,10 @@ import torch
 from rl_specdec.errors import EnginesLost, GenerationEngineDied
 from rl_specdec.grpo.batch import Trajectory
 from rl_specdec.grpo.sources import SAMPLING_CHECK_SEED, VAL_SEED, Request, Scored, group_request, step_prompts
-from rl_specdec.metrics import aggregate_spec_decode_counters
+from rl_specdec.metrics import aggregate_spec_decode_counters, compute_spec_decode_metrics
 from rl_specdec.metrics.counters import counters_delta
 from rl_specdec.rollout import GenerationOutput, SamplingSettings
-from rl_specdec.rollout.serving.episodes import EpisodeOutput, EpisodeResult, run_episodes
+from rl_specdec.rollout.serving.episodes import EpisodeOutput, EpisodeResult, per_turn_counters, run_episodes
 
 
 class PendingEpisodes:
@@ -188,7 +188,8 @@ def rewards(xs: list[EpisodeResult]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def episode_metrics(xs: list[EpisodeResult]) -> dict[str, float]:
     """``episodes/*``: turns per episode, the share with a tool call, the model's share of the episodes' tokens,
-    the mean response length of each turn, and the mean of every fact the environment reports."""
+    the mean response length of each turn, and the mean of every fact the environment reports; with speculation,
+    ``spec_decode/turn_<i>_*`` from each turn's own counters."""
     n = len(xs)
     out = {
         "episodes/turns_mean": sum(len(x.turns) for x in xs) / n,
@@ -198,6 +199,10 @@ def episode_metrics(xs: list[EpisodeResult]) -> dict[str, float]:
     for i in range(max(len(x.turns) for x in xs)):
         lengths = [len(x.turns[i].ids) for x in xs if len(x.turns) > i]
         out[f"episodes/turn_{i + 1}_response_length_mean"] = sum(lengths) / len(lengths)
+    for i, counters in enumerate(per_turn_counters(xs)):
+        m = compute_spec_decode_metrics(None, counters)
+        keys = ("num_drafts", "acceptance_rate", "acceptance_length")  # each turn's own, as the step's are
+        out.update({f"spec_decode/turn_{i + 1}_{k}": m[f"spec_decode/{k}"] for k in keys if f"spec_decode/{k}" in m})
     for key in sorted({k for x in xs for k in x.info}):
         out[f"episodes/{key}"] = sum(x.info.get(key, 0.0) for x in xs) / n
     return out

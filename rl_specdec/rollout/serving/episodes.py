@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from rl_specdec.errors import PrefixSpliceError
+from rl_specdec.metrics.counters import aggregate_spec_decode_counters, counters_from_histogram
 from rl_specdec.rollout.interfaces import GenerationOutput
 from rl_specdec.tasks.base import Environment, EnvStep
 
@@ -36,6 +37,7 @@ class Turn:
     finish_reason: str
     tool_calls: int  # tool calls vLLM's parser found in it
     top_logprobs: list[dict[int, float]] | None = None  # per id, the policy's top-k next-token log-probs
+    spec_counters: dict[str, Any] | None = None  # this turn's own spec-decode counters (None: no speculation)
 
 
 @dataclass
@@ -86,6 +88,12 @@ class EpisodeOutput(GenerationOutput):
         return [(x.token_ids, [(t.start, t.top_logprobs or []) for t in x.turns]) for x in self.episodes]
 
 
+def per_turn_counters(xs: list[EpisodeResult]) -> list[dict[str, Any]]:
+    """Per turn index, the spec-decode counters of the episodes' turns there ({} each without speculation)."""
+    n = max((len(x.turns) for x in xs), default=0)
+    return [aggregate_spec_decode_counters(x.turns[i].spec_counters for x in xs if len(x.turns) > i) for i in range(n)]
+
+
 def top_logprobs_of(choice) -> list[dict[int, float]]:
     """The top-k log-probs of each generated token, keyed by token id (asked for with
     ``return_tokens_as_token_ids``, so each token reads ``token_id:N``)."""
@@ -93,6 +101,14 @@ def top_logprobs_of(choice) -> list[dict[int, float]]:
     if content is None:
         raise ValueError("the server returned no log-probs: serve with rl_specdec's app (server.rl_defaults: true)")
     return [{int(c.token.removeprefix("token_id:")): c.logprob for c in pos.top_logprobs} for pos in content]
+
+
+def turn_counters(response) -> dict[str, Any] | None:
+    """The turn's own spec-decode counters: the acceptance histogram vLLM puts in the response's
+    ``metrics.speculative_decoding`` (engine argument ``per_request_spec_decode_metrics``, single-sequence
+    requests). The engine's counters cannot tell turns apart: an episode's second turn runs beside others' first."""
+    spec = ((getattr(response, "model_extra", None) or {}).get("metrics") or {}).get("speculative_decoding")
+    return counters_from_histogram(spec["acceptance_histogram"], spec["num_draft_tokens"]) if spec else None
 
 
 def check_splice(prompts: list[list[int]], turns: list[Turn], prompt: list[int]) -> None:
@@ -135,7 +151,8 @@ async def run_episode(
         prompts.append(prompt)
         calls = len(msg.get("tool_calls") or [])
         tops = top_logprobs_of(choice) if top else None
-        turns.append(Turn(len(prompt), ids, msg["generation_log_probs"], choice.finish_reason, calls, tops))
+        lps, spec = msg["generation_log_probs"], turn_counters(r)
+        turns.append(Turn(len(prompt), ids, lps, choice.finish_reason, calls, tops, spec))
         step = env.step(msg, choice.finish_reason)
         if step.done or len(prompt) + len(ids) >= limits.get("max_episode_tokens", 1 << 30):
             break
