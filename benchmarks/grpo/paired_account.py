@@ -102,9 +102,8 @@ def acceptance_length(rows: list[dict], name: str) -> float | None:
 
 def acceptance_per_turn(rows: list[dict], name: str) -> list[float | None]:
     """The acceptance length of each turn index over the rows (episodes: each turn's own counters; [] else)."""
-    n = max((len(r[name].get("turn_counters", [])) for r in rows), default=0)
     per_row = [r[name].get("turn_counters", []) for r in rows]
-    return [_length(turns[i] for turns in per_row if len(turns) > i) for i in range(n)]
+    return [_length(t[i] for t in per_row if len(t) > i) for i in range(max(map(len, per_row), default=0))]
 
 
 def summarise(rows_by_seed: dict[int, list[dict]], names: list[str]) -> list[dict]:

@@ -98,7 +98,7 @@ def _wrap_omegaconf_error(e: OmegaConfBaseException, schema: DictConfig) -> Conf
 
 @functools.lru_cache(maxsize=1)
 def _schema() -> DictConfig:
-    """The typed schema, built once per process (a third of a load's time): ``OmegaConf.merge`` copies its
+    """The typed schema, built once per process (two fifths of a load's time): ``OmegaConf.merge`` copies its
     first argument, so no load changes it."""
     return OmegaConf.structured(RunConfig)
 
